@@ -1,0 +1,51 @@
+"""Every call whose spelling differs between the jax versions we support (>=0.11.2, <0.13).
+
+Pallas-Triton is deprecated upstream since jax 0.11 but is the only Pallas path on ROCm. Kernel
+bodies use only idioms that are identical in 0.11.2 and 0.12 (ref indexing, `jnp.dot` with
+`preferred_element_type`, `lax.fori_loop`); what is version-specific lives here.
+"""
+
+import warnings
+
+import jax
+from jax.experimental.pallas import triton as plt
+
+TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
+
+
+def silence_triton_deprecation():
+    """Filters the Pallas-Triton DeprecationWarning, which fires each time a kernel is lowered.
+
+    Lowering happens when the user's jit lowers, outside any context manager of ours, so the
+    filter is process-wide; it matches only that message.
+    """
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+def triton_params(num_warps, num_stages):
+    """Compiler parameters that select the Triton lowering (Mosaic GPU is the default elsewhere)."""
+    return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def abstract_gpu_mesh(device_kind, platform):
+    """A one-device abstract mesh of a GPU that is not attached, for ahead-of-time lowering."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform=platform)
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+def target_device():
+    """(device_kind, platform) that code traced now will run on.
+
+    Inside `jax.sharding.use_abstract_mesh` with an abstract device (ahead-of-time lowering for a
+    GPU that is not attached) that device; otherwise the first device of the default backend.
+    Examples: ("NVIDIA H200", "cuda"), ("gfx942", "rocm"), ("cpu", "cpu").
+    """
+    abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if abstract is not None:
+        return abstract.device_kind, abstract.platform
+    device = jax.devices()[0]
+    return device.device_kind, device.platform
+
+
+def targets_gpu():
+    return target_device()[1] in ("gpu", "cuda", "rocm")

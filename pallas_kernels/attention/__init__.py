@@ -1,0 +1,1 @@
+"""FlashAttention: `api.dot_product_attention`, its reference and kernels."""

@@ -1,0 +1,315 @@
+"""`dot_product_attention`: FlashAttention with jax.nn's layout, checks, dispatch and custom_vjp.
+
+A call flows: argument checks (before anything is traced) -> implementation choice ("xla" runs
+`reference.py`, "pallas" the kernels) -> padding to whole blocks and a power-of-two head dim ->
+`_flash_attention`, a `jax.custom_vjp` whose forward saves q, k, v, out and lse and whose backward
+runs the dK/dV and dQ kernels.
+"""
+
+import dataclasses
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _compat
+from pallas_kernels.attention import backward, common, forward, masking, reference, tuning
+
+IMPLEMENTATIONS = ("pallas", "xla")
+MAX_HEAD_DIM = 256
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    *,
+    scale=None,
+    is_causal=False,
+    local_window_size=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    logits_soft_cap=None,
+    implementation=None,
+    return_residual=False,
+    block_sizes=None,
+    interpret=None,
+):
+    """Scaled dot-product attention, softmax(q k^T * scale) v, as `jax.nn.dot_product_attention`.
+
+    Args:
+      query: (B, T, N, H) or, without batch, (T, N, H); bfloat16, float16 or float32.
+      key, value: (B, S, K, H) or (S, K, H), the query's dtype, with N % K == 0 (K < N is GQA,
+        K == 1 MQA; key/value heads are never repeated in memory).
+      scale: logit scale; default 1/sqrt(H).
+      is_causal: query i sees keys j <= i, aligned top-left as in jax.nn (when T != S, query 0
+        sees key 0), not bottom-right as in FlashAttention's own API.
+      local_window_size: int w or (left, right): query i sees keys in [i - left, i + right]
+        (w means (w, w)); combined with `is_causal` the right side is at most 0.
+      q_segment_ids, kv_segment_ids: (B, T) and (B, S) integers, given together: a query sees
+        only keys of the same segment (packed documents).
+      query_seq_lengths, key_value_seq_lengths: (B,) integers: only the first q_len queries and
+        kv_len keys of each batch row take part.
+      logits_soft_cap: c > 0 replaces each logit x by c * tanh(x / c) (after scaling).
+      implementation: "pallas" (the kernels), "xla" (the pure-jnp reference, quadratic memory)
+        or None (the kernels on GPU, the reference elsewhere).
+      return_residual: also return the log-sum-exp of the logits, (B, T, N) float32, natural log.
+      block_sizes: a `tuning.BlockSizes` to use instead of the tuned table.
+      interpret: run the Pallas kernels in interpret mode (on CPU); None: when not on a GPU.
+
+    Returns:
+      The output, shaped and typed as the query (accumulation is float32), and with
+      `return_residual` the tuple (output, lse). A query that sees no key gets output 0, lse
+      -inf and zero gradients.
+    """
+    query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    batched = _check_arrays(query, key, value)
+    if not batched:
+        query, key, value = (x[None] for x in (query, key, value))
+    batch, t, n, h = query.shape
+    s, k_heads = key.shape[1], key.shape[2]
+    segments = _check_segment_ids(q_segment_ids, kv_segment_ids, batch, t, s, batched)
+    q_len = _check_lengths("query_seq_lengths", query_seq_lengths, batch, t, batched)
+    kv_len = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, s, batched)
+    scale = _check_scale(scale, h)
+    band = masking.band(is_causal, _check_window(local_window_size))
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    if logits_soft_cap is not None:
+        if not isinstance(logits_soft_cap, numbers.Real) or not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be a number > 0, got {logits_soft_cap!r}")
+        logits_soft_cap = float(logits_soft_cap)
+    if implementation not in (None, *IMPLEMENTATIONS):
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
+        )
+    if block_sizes is not None and not isinstance(block_sizes, tuning.BlockSizes):
+        raise TypeError(f"block_sizes must be a tuning.BlockSizes, got {type(block_sizes)}")
+    if interpret is not None and not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    if implementation is None:
+        implementation = "pallas" if _compat.targets_gpu() else "xla"
+    if implementation == "pallas" and h > MAX_HEAD_DIM:
+        raise ValueError(f"the Pallas kernels support head dims up to {MAX_HEAD_DIM}, got {h}")
+
+    if implementation == "xla":
+        out, lse = reference.dot_product_attention(
+            query, key, value, scale=scale, is_causal=is_causal,
+            local_window_size=local_window_size,
+            q_segment_ids=None if segments is None else segments[0],
+            kv_segment_ids=None if segments is None else segments[1],
+            query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+            logits_soft_cap=logits_soft_cap, return_residual=True,
+        )
+    else:
+        static = common.Static(
+            scale=scale,
+            band=band,
+            logits_soft_cap=logits_soft_cap,
+            groups=n // k_heads,
+            has_segments=segments is not None,
+            may_mask=True,  # set per padded shape in _pallas_attention
+            interpret=(not _compat.targets_gpu()) if interpret is None else interpret,
+        )
+        out, lse = _pallas_attention(
+            query, key, value, segments, q_len, kv_len, static, block_sizes
+        )
+    if not batched:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_residual else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks: each raises ValueError/TypeError naming the argument, before any tracing.
+
+
+def _check_arrays(query, key, value):
+    names = ("query", "key", "value")
+    arrays = (query, key, value)
+    for name, x in zip(names, arrays, strict=True):
+        if x.ndim not in (3, 4):
+            raise ValueError(
+                f"{name} must be rank 4 (B, T, N, H) or rank 3 (T, N, H), got {x.shape}"
+            )
+        if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+    if not query.ndim == key.ndim == value.ndim:
+        raise ValueError(
+            f"query, key and value must have the same rank, got {query.shape}, {key.shape}, "
+            f"{value.shape}"
+        )
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(
+            f"key and value must have the query's dtype {query.dtype}, "
+            f"got {key.dtype}, {value.dtype}"
+        )
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape, got {key.shape}, {value.shape}")
+    if query.ndim == 4 and query.shape[0] != key.shape[0]:
+        raise ValueError(f"query and key batch sizes differ: {query.shape[0]} vs {key.shape[0]}")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query and key head dims differ: {query.shape[-1]} vs {key.shape[-1]}")
+    n, k_heads = query.shape[-2], key.shape[-2]
+    if k_heads == 0 or n % k_heads:
+        raise ValueError(f"query heads ({n}) must be a multiple of key/value heads ({k_heads})")
+    if 0 in query.shape or 0 in key.shape:
+        raise ValueError(f"query and key must not be empty, got {query.shape}, {key.shape}")
+    return query.ndim == 4
+
+
+def _check_int_array(name, x, shape, batched):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got {x.dtype}")
+    want = shape if batched else shape[1:]
+    if x.shape != want:
+        raise ValueError(f"{name} must have shape {want}, got {x.shape}")
+    x = x.astype(jnp.int32)
+    return x if batched else x[None]
+
+
+def _check_segment_ids(q_segment_ids, kv_segment_ids, batch, t, s, batched):
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    if q_segment_ids is None:
+        return None
+    return (
+        _check_int_array("q_segment_ids", q_segment_ids, (batch, t), batched),
+        _check_int_array("kv_segment_ids", kv_segment_ids, (batch, s), batched),
+    )
+
+
+def _check_lengths(name, lengths, batch, length, batched):
+    if lengths is None:
+        return None
+    if not batched:
+        raise ValueError(f"{name} needs batched (rank 4) inputs")
+    return jnp.clip(_check_int_array(name, lengths, (batch,), True), 0, length)
+
+
+def _check_scale(scale, head_dim):
+    if scale is None:
+        return head_dim**-0.5
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a Python number, got {type(scale)}")
+    return float(scale)
+
+
+def _check_window(window):
+    if window is None:
+        return None
+    sides = (window, window) if isinstance(window, int) else window
+    if (
+        not isinstance(sides, tuple | list)
+        or len(sides) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in sides)
+    ):
+        raise TypeError(f"local_window_size must be an int or a (left, right) pair, got {window!r}")
+    if min(sides) < 0:
+        raise ValueError(f"local_window_size must not be negative, got {window!r}")
+    return tuple(sides)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Pallas path.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    static: common.Static
+    blocks: tuning.BlockSizes
+
+
+def _round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+def _pad_axis(x, axis, size):
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def _pallas_attention(query, key, value, segments, q_len, kv_len, static, block_sizes):
+    """Pads to whole blocks and a power-of-two head dim, runs the kernels, slices back."""
+    batch, t, n, h = query.shape
+    s = key.shape[1]
+    d_pad = tuning.padded_head_dim(h)
+    if block_sizes is None:
+        block_sizes = tuning.block_sizes_for(_compat.target_device()[0], d_pad)
+    blocks = block_sizes.fit(t, s)
+    t_pad = _round_up(t, max(b.block_q for b in (blocks.forward, blocks.dkv, blocks.dq)))
+    s_pad = _round_up(s, max(b.block_k for b in (blocks.forward, blocks.dkv, blocks.dq)))
+    may_mask = (
+        static.band != (None, None) or segments is not None or q_len is not None
+        or kv_len is not None or t_pad != t or s_pad != s
+    )
+    config = _Config(dataclasses.replace(static, may_mask=may_mask), blocks)
+
+    q = _pad_axis(_pad_axis(query, 3, d_pad), 1, t_pad)
+    k = _pad_axis(_pad_axis(key, 3, d_pad), 1, s_pad)
+    v = _pad_axis(_pad_axis(value, 3, d_pad), 1, s_pad)
+    q_seg, kv_seg = (None, None) if segments is None else (
+        _pad_axis(segments[0], 1, t_pad), _pad_axis(segments[1], 1, s_pad)
+    )
+    q_len = jnp.full((batch,), t, jnp.int32) if q_len is None else q_len
+    kv_len = jnp.full((batch,), s, jnp.int32) if kv_len is None else kv_len
+    out, lse = _flash_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len)
+    return out[:, :t, :, :h], jnp.swapaxes(lse[:, :, :t], 1, 2)
+
+
+def _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, kernel):
+    """`masking.block_table` of one kernel: "forward"/"dq" (query blocks), "dkv" (key blocks)."""
+    blocks = getattr(config.blocks, kernel)
+    if kernel == "dkv":  # rows are key blocks, columns query blocks
+        return masking.block_table(
+            num_row_blocks=s_pad // blocks.block_k, row_block=blocks.block_k,
+            num_col_blocks=t_pad // blocks.block_q, col_block=blocks.block_q,
+            band=masking.transpose_band(config.static.band), row_len=kv_len, col_len=q_len,
+            row_segments=kv_seg, col_segments=q_seg,
+        )
+    return masking.block_table(
+        num_row_blocks=t_pad // blocks.block_q, row_block=blocks.block_q,
+        num_col_blocks=s_pad // blocks.block_k, col_block=blocks.block_k,
+        band=config.static.band, row_len=q_len, col_len=kv_len,
+        row_segments=q_seg, col_segments=kv_seg,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
+    """(out (B, Tp, N, Dp), lse (B, N, Tp)) of padded inputs; see `forward.forward`."""
+    return _flash_attention_fwd(config, q, k, v, q_seg, kv_seg, q_len, kv_len)[0]
+
+
+def _flash_attention_fwd(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
+    table = _tables(config, q.shape[1], k.shape[1], q_seg, kv_seg, q_len, kv_len, "forward")
+    fwd = config.blocks.forward
+    out, lse = forward.forward(
+        q, k, v, q_seg, kv_seg, table, static=config.static, block_q=fwd.block_q,
+        block_k=fwd.block_k, num_warps=fwd.num_warps, num_stages=fwd.num_stages,
+    )
+    return (out, lse), (q, k, v, q_seg, kv_seg, q_len, kv_len, out, lse)
+
+
+def _flash_attention_bwd(config, residuals, cotangents):
+    q, k, v, q_seg, kv_seg, q_len, kv_len, out, lse = residuals
+    dout, dlse = cotangents
+    t_pad, s_pad = q.shape[1], k.shape[1]
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    delta = jnp.swapaxes(delta, 1, 2) - dlse  # (B, N, Tp)
+    dq, dk, dv = backward.backward(
+        q, k, v, dout.astype(q.dtype), lse, delta, q_seg, kv_seg,
+        _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, "dkv"),
+        _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, "dq"),
+        static=config.static, dkv_blocks=config.blocks.dkv, dq_blocks=config.blocks.dq,
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+_flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)

@@ -1,0 +1,168 @@
+"""FlashAttention backward kernels (Pallas, Triton lowering), deterministic: no atomics.
+
+Given delta = rowsum(dO * O) - dlse (computed in XLA), the probabilities are recomputed from the
+saved log-sum-exp and two kernels run:
+
+* dK/dV: one program per key block and key/value head. It loops over the G query heads of its
+  group and over the query blocks that see the key block, accumulating dK and dV in registers,
+  so GQA gradients are summed in the kernel with no G-times-larger buffer.
+* dQ: one program per query block and query head, looping over the key blocks it sees.
+
+Each gradient element is written once by one program, so reruns are bitwise identical.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels.attention import common, masking
+
+
+def _probabilities(scores, lse2, static):
+    """exp2(logits - lse) for raw scores and base-2 lse broadcast to the scores' shape."""
+    logits = common.base2_logits(scores, static)
+    return logits, jnp.exp2(logits - lse2)
+
+
+def _dkv_kernel(
+    table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, static, block_q, block_k,
+):
+    if static.has_segments:
+        q_seg_ref, kv_seg_ref, dk_ref, dv_ref = refs
+    else:
+        (dk_ref, dv_ref), q_seg_ref, kv_seg_ref = refs, None, None
+    k_block = pl.program_id(0)
+    k = k_ref[...]
+    v = v_ref[...]
+    kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
+    key_band = masking.transpose_band(static.band)
+
+    def head(g, carry):
+        def step(i, carry, masked):
+            dk, dv = carry
+            q = q_ref[common.ds(i, block_q), g, :]
+            do = do_ref[common.ds(i, block_q), g, :]
+            lse2 = lse_ref[g, common.ds(i, block_q)] * common.LOG2E
+            delta = delta_ref[g, common.ds(i, block_q)]
+            scores_t = jnp.dot(k, q.T, preferred_element_type=jnp.float32)  # (block_k, block_q)
+            logits_t, probs_t = _probabilities(scores_t, lse2[None, :], static)
+            if masked:
+                q_seg = None if q_seg_ref is None else q_seg_ref[common.ds(i, block_q)]
+                mask = common.block_mask(
+                    table_ref, k_block * block_k, block_k, i * block_q, block_q, static,
+                    key_band, kv_seg, q_seg,
+                )
+                probs_t = jnp.where(mask, probs_t, 0.0)
+            dv += jnp.dot(probs_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+            dprobs_t = jnp.dot(v, do.T, preferred_element_type=jnp.float32)
+            dlogits_t = probs_t * (dprobs_t - delta[None, :])
+            if static.logits_soft_cap is not None:
+                dlogits_t *= common.soft_cap_derivative(logits_t, static)
+            dk += jnp.dot(dlogits_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
+            return dk, dv
+
+        return common.visit_blocks(table_ref, step, carry, static)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = jax.lax.fori_loop(0, static.groups, head, (zeros, zeros))
+    dk_ref[...] = (dk * static.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(
+    table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, static, block_q, block_k,
+):
+    if static.has_segments:
+        q_seg_ref, kv_seg_ref, dq_ref = refs
+    else:
+        (dq_ref,), q_seg_ref, kv_seg_ref = refs, None, None
+    q_block = pl.program_id(0)
+    q = q_ref[...]
+    do = do_ref[...]
+    lse2 = lse_ref[...] * common.LOG2E
+    delta = delta_ref[...]
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+
+    def step(j, dq, masked):
+        k = k_ref[common.ds(j, block_k), :]
+        v = v_ref[common.ds(j, block_k), :]
+        scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
+        logits, probs = _probabilities(scores, lse2[:, None], static)
+        if masked:
+            kv_seg = None if kv_seg_ref is None else kv_seg_ref[common.ds(j, block_k)]
+            mask = common.block_mask(
+                table_ref, q_block * block_q, block_q, j * block_k, block_k, static,
+                static.band, q_seg, kv_seg,
+            )
+            probs = jnp.where(mask, probs, 0.0)
+        dprobs = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+        dlogits = probs * (dprobs - delta[:, None])
+        if static.logits_soft_cap is not None:
+            dlogits *= common.soft_cap_derivative(logits, static)
+        return dq + jnp.dot(dlogits.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+    dq = common.visit_blocks(table_ref, step, jnp.zeros(q.shape, jnp.float32), static)
+    dq_ref[...] = (dq * static.scale).astype(dq_ref.dtype)
+
+
+def backward(
+    q, k, v, do, lse, delta, q_seg, kv_seg, dkv_table, dq_table, *, static, dkv_blocks, dq_blocks
+):
+    """dq, dk, dv for padded inputs (shapes as in `forward.forward`).
+
+    lse and delta are (B, N, Tp) float32; `dkv_table` is the `masking.block_table` of key blocks
+    over query blocks (transposed band), `dq_table` that of query blocks over key blocks.
+    `dkv_blocks`/`dq_blocks` are `tuning.KernelBlocks`.
+    """
+    batch, t_pad, heads, d_pad = q.shape
+    s_pad, kv_heads = k.shape[1], k.shape[2]
+    groups = static.groups
+    segs = [q_seg, kv_seg] if static.has_segments else []
+
+    bq, bk = dkv_blocks.block_q, dkv_blocks.block_k
+    group_spec = pl.BlockSpec((None, t_pad, groups, d_pad), lambda j, h, b: (b, 0, h, 0))
+    group_rows = pl.BlockSpec((None, groups, t_pad), lambda j, h, b: (b, h, 0))
+    kv_spec = pl.BlockSpec((None, bk, None, d_pad), lambda j, h, b: (b, j, h, 0))
+    seg_specs = [
+        pl.BlockSpec((None, t_pad), lambda j, h, b: (b, 0)),
+        pl.BlockSpec((None, bk), lambda j, h, b: (b, j)),
+    ]
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, static=static, block_q=bq, block_k=bk),
+        grid=(s_pad // bk, kv_heads, batch),
+        in_specs=[
+            pl.BlockSpec((None, None, dkv_table.shape[-1]), lambda j, h, b: (b, j, 0)),
+            group_spec, kv_spec, kv_spec, group_spec, group_rows, group_rows,
+        ] + (seg_specs if segs else []),
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=_compat.triton_params(dkv_blocks.num_warps, dkv_blocks.num_stages),
+        interpret=static.interpret,
+        name="flash_attention_dkv",
+    )(dkv_table, q, k, v, do, lse, delta, *segs)
+
+    bq, bk = dq_blocks.block_q, dq_blocks.block_k
+    q_spec = pl.BlockSpec((None, bq, None, d_pad), lambda i, h, b: (b, i, h, 0))
+    rows_spec = pl.BlockSpec((None, None, bq), lambda i, h, b: (b, h, i))
+    full_kv = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, b: (b, 0, h // groups, 0))
+    seg_specs = [
+        pl.BlockSpec((None, bq), lambda i, h, b: (b, i)),
+        pl.BlockSpec((None, s_pad), lambda i, h, b: (b, 0)),
+    ]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, static=static, block_q=bq, block_k=bk),
+        grid=(t_pad // bq, heads, batch),
+        in_specs=[
+            pl.BlockSpec((None, None, dq_table.shape[-1]), lambda i, h, b: (b, i, 0)),
+            q_spec, full_kv, full_kv, q_spec, rows_spec, rows_spec,
+        ] + (seg_specs if segs else []),
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_compat.triton_params(dq_blocks.num_warps, dq_blocks.num_stages),
+        interpret=static.interpret,
+        name="flash_attention_dq",
+    )(dq_table, q, k, v, do, lse, delta, *segs)
+    return dq, dk, dv

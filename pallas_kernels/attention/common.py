@@ -1,0 +1,77 @@
+"""Pieces shared by the forward and backward attention kernels."""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.attention import masking
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """Everything about a call that is not an array: hashable, so it can key jit and custom_vjp.
+
+    `band` is the visible diagonal band of ``j - i`` (see `masking`); `groups` = N // K query
+    heads per key/value head; `has_segments` says whether segment-id arrays are passed.
+    """
+
+    scale: float
+    band: tuple
+    logits_soft_cap: float | None
+    groups: int
+    has_segments: bool
+    may_mask: bool  # False when no pair can be masked: the kernels then skip the masked loops
+    interpret: bool
+
+
+def base2_logits(scores, static: Static):
+    """Raw q.k scores (f32) -> logits in base 2 (softmax scale and soft cap applied)."""
+    cap = static.logits_soft_cap
+    if cap is None:
+        return scores * (static.scale * LOG2E)
+    return jnp.tanh(scores * (static.scale / cap)) * (cap * LOG2E)
+
+
+def soft_cap_derivative(logits2, static: Static):
+    """d(capped logit)/d(scaled score) from the base-2 logits: 1 - tanh^2."""
+    tanh = logits2 * (1.0 / (static.logits_soft_cap * LOG2E))
+    return 1.0 - tanh * tanh
+
+
+def block_mask(table_ref, row_start, rows, col_start, cols, static, band, row_seg, col_seg):
+    """Visibility of a (rows, cols) tile whose corner is (row_start, col_start)."""
+    row_pos = row_start + jnp.arange(rows, dtype=jnp.int32)[:, None]
+    col_pos = col_start + jnp.arange(cols, dtype=jnp.int32)[None, :]
+    return masking.visible(
+        row_pos, col_pos, band=band,
+        row_len=table_ref[masking.ROW_LEN], col_len=table_ref[masking.COL_LEN],
+        row_segments=None if row_seg is None else row_seg[:, None],
+        col_segments=None if col_seg is None else col_seg[None, :],
+    )
+
+
+def visit_blocks(table_ref, step, carry, static: Static):
+    """Runs `step(j, carry, masked)` over the column blocks listed in the kernel's table row.
+
+    Masked blocks ([LO, FULL_LO) and [FULL_HI, HI)) apply the element mask; the blocks between
+    need none. Each range is its own loop, so the unmasked loop carries no mask arithmetic.
+    """
+    lo, hi = table_ref[masking.LO], table_ref[masking.HI]
+    if not static.may_mask:
+        return jax.lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+    full_lo, full_hi = table_ref[masking.FULL_LO], table_ref[masking.FULL_HI]
+    carry = jax.lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    return jax.lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
+def ds(block_index, size):
+    """The slice of block `block_index` of a dimension split into blocks of `size`."""
+    return pl.ds(pl.multiple_of(block_index * size, size), size)

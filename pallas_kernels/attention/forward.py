@@ -1,0 +1,111 @@
+"""FlashAttention forward kernel (Pallas, Triton lowering).
+
+One program computes one block of queries of one head: it streams the key/value blocks that its
+table row lists, keeps a running max and sum (online softmax, base 2) and writes the normalised
+output and the natural-log log-sum-exp. Rows that see no key get output 0 and lse -inf.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels.attention import common
+
+
+def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, static, block_q, block_k, num_q_blocks):
+    if static.has_segments:
+        q_seg_ref, kv_seg_ref, out_ref, lse_ref = refs
+    else:
+        (out_ref, lse_ref), q_seg_ref, kv_seg_ref = refs, None, None
+    q_block = num_q_blocks - 1 - pl.program_id(0)  # heaviest causal blocks first
+    q = q_ref[...]
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+
+    def step(j, carry, masked):
+        acc, row_max, row_sum = carry
+        k = k_ref[common.ds(j, block_k), :]
+        v = v_ref[common.ds(j, block_k), :]
+        logits = common.base2_logits(
+            jnp.dot(q, k.T, preferred_element_type=jnp.float32), static
+        )
+        if masked:
+            kv_seg = None if kv_seg_ref is None else kv_seg_ref[common.ds(j, block_k)]
+            mask = common.block_mask(
+                table_ref, q_block * block_q, block_q, j * block_k, block_k, static,
+                static.band, q_seg, kv_seg,
+            )
+            logits = jnp.where(mask, logits, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
+        rescale = jnp.exp2(row_max - new_max)
+        probs = jnp.exp2(logits - new_max[:, None])
+        row_sum = row_sum * rescale + jnp.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + jnp.dot(
+            probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+        )
+        return acc, new_max, row_sum
+
+    # A finite start for the running max keeps exp2(-inf - start) = 0 for masked entries
+    # instead of exp2(-inf + inf) = nan while a row has seen nothing yet.
+    carry = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full((block_q,), jnp.finfo(jnp.float32).min, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    acc, row_max, row_sum = common.visit_blocks(table_ref, step, carry, static)
+    empty = row_sum == 0.0
+    safe_sum = jnp.where(empty, 1.0, row_sum)
+    out_ref[...] = (acc / safe_sum[:, None]).astype(out_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) * common.LN2)
+
+
+def forward(q, k, v, q_seg, kv_seg, table, *, static, block_q, block_k, num_warps, num_stages):
+    """Runs the forward kernel on padded inputs.
+
+    q (B, Tp, N, Dp), k/v (B, Sp, K, Dp) with Tp % block_q == 0, Sp % block_k == 0 and Dp a power
+    of two; q_seg (B, Tp) / kv_seg (B, Sp) int32 or None; table (B, Tp // block_q, 8) from
+    `masking.block_table`. Returns out (B, Tp, N, Dp) in q's dtype and lse (B, N, Tp) float32.
+    """
+    batch, t_pad, heads, d_pad = q.shape
+    s_pad = k.shape[1]
+    num_q_blocks = t_pad // block_q
+    groups = static.groups
+
+    def q_block(i):
+        return num_q_blocks - 1 - i
+
+    in_specs = [
+        pl.BlockSpec((None, None, table.shape[-1]), lambda i, h, b: (b, q_block(i), 0)),
+        pl.BlockSpec((None, block_q, None, d_pad), lambda i, h, b: (b, q_block(i), h, 0)),
+        pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, b: (b, 0, h // groups, 0)),
+        pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, b: (b, 0, h // groups, 0)),
+    ]
+    args = [table, q, k, v]
+    if static.has_segments:
+        in_specs += [
+            pl.BlockSpec((None, block_q), lambda i, h, b: (b, q_block(i))),
+            pl.BlockSpec((None, s_pad), lambda i, h, b: (b, 0)),
+        ]
+        args += [q_seg, kv_seg]
+    kernel = functools.partial(
+        _forward_kernel, static=static, block_q=block_q, block_k=block_k,
+        num_q_blocks=num_q_blocks,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(num_q_blocks, heads, batch),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, block_q, None, d_pad), lambda i, h, b: (b, q_block(i), h, 0)),
+            pl.BlockSpec((None, None, block_q), lambda i, h, b: (b, h, q_block(i))),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32),
+        ],
+        compiler_params=_compat.triton_params(num_warps, num_stages),
+        interpret=static.interpret,
+        name="flash_attention_forward",
+    )(*args)

@@ -1,0 +1,135 @@
+"""Which keys each query sees, shared by the reference and the kernels.
+
+Query i of batch row b sees key j when all of these hold:
+
+* ``i < query_seq_lengths[b]`` and ``j < key_value_seq_lengths[b]``;
+* ``lo <= j - i <= hi`` for the diagonal band ``(lo, hi)`` built from ``is_causal`` (hi <= 0) and
+  ``local_window_size = (left, right)`` (lo = -left, hi = right); ``None`` leaves a side open;
+* ``q_segment_ids[b, i] == kv_segment_ids[b, j]``.
+
+The same rule, with rows and columns swapped and the band negated (`transpose_band`), gives the
+queries that see each key, which is what the dK/dV kernel loops over.
+"""
+
+import jax.numpy as jnp
+
+# Columns of the per-block table that `block_table` builds for the kernels.
+LO, HI, FULL_LO, FULL_HI, ROW_LEN, COL_LEN = range(6)
+TABLE_WIDTH = 8  # a power of two, as Triton requires of every in-kernel array
+
+_OPEN = 1 << 30  # stands in for an unbounded band side in integer block arithmetic
+
+
+def band(is_causal, local_window_size):
+    """The diagonal band (lo, hi) of visible ``j - i``; either side may be None (unbounded)."""
+    lo = hi = None
+    if local_window_size is not None:
+        if isinstance(local_window_size, int):
+            left = right = local_window_size
+        else:
+            left, right = local_window_size
+        lo, hi = -left, right
+    if is_causal:
+        hi = 0 if hi is None else min(hi, 0)
+    return lo, hi
+
+
+def transpose_band(band_):
+    """The band of ``i - j`` (rows are keys, columns are queries)."""
+    lo, hi = band_
+    return (None if hi is None else -hi, None if lo is None else -lo)
+
+
+def visible(rows, cols, *, band, row_len, col_len, row_segments=None, col_segments=None):
+    """Elementwise visibility for broadcastable row and column positions (int32 arrays)."""
+    mask = (rows < row_len) & (cols < col_len)
+    lo, hi = band
+    if lo is not None:
+        mask &= cols - rows >= lo
+    if hi is not None:
+        mask &= cols - rows <= hi
+    if row_segments is not None:
+        mask &= row_segments == col_segments
+    return mask
+
+
+def dense_mask(
+    t, s, *, band, q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None,
+    key_value_seq_lengths=None,
+):
+    """The (B, T, S) boolean visibility matrix (B is 1 when nothing depends on the batch row)."""
+    q_len = t if query_seq_lengths is None else query_seq_lengths[:, None, None]
+    kv_len = s if key_value_seq_lengths is None else key_value_seq_lengths[:, None, None]
+    has_segments = q_segment_ids is not None
+    mask = visible(
+        jnp.arange(t, dtype=jnp.int32)[None, :, None],
+        jnp.arange(s, dtype=jnp.int32)[None, None, :],
+        band=band,
+        row_len=q_len,
+        col_len=kv_len,
+        row_segments=q_segment_ids[:, :, None] if has_segments else None,
+        col_segments=kv_segment_ids[:, None, :] if has_segments else None,
+    )
+    return mask if mask.ndim == 3 else mask[None]
+
+
+def _cdiv(x, y):
+    return -((-x) // y)
+
+
+def block_table(
+    *, num_row_blocks, row_block, num_col_blocks, col_block, band, row_len, col_len,
+    row_segments=None, col_segments=None,
+):
+    """Per row block, the column blocks a kernel must visit, (B, num_row_blocks, TABLE_WIDTH) int32.
+
+    Column blocks ``[LO, HI)`` hold every visible (row, column) pair of the row block; inside it,
+    ``[FULL_LO, FULL_HI)`` are blocks where every pair is visible, so the kernel skips the mask
+    there (empty, at ``HI``, when segments are given). ``ROW_LEN``/``COL_LEN`` repeat the lengths
+    for the in-kernel mask. ``row_len``/``col_len`` are (B,) int32; segments (B, rows)/(B, cols)
+    int32 padded to whole blocks. Segment ranges are conservative (they are exact for sorted ids,
+    as in packed documents); the in-kernel mask keeps any other order correct.
+    """
+    row_len = row_len[:, None]
+    col_len = col_len[:, None]
+    row_start = jnp.arange(num_row_blocks, dtype=jnp.int32)[None, :] * row_block
+    valid_end = jnp.minimum(row_start + row_block, row_len)  # rows past row_len see nothing
+    lo, hi = band
+    first = jnp.maximum(row_start + (-_OPEN if lo is None else lo), 0)
+    last = jnp.minimum(valid_end - 1 + (_OPEN if hi is None else hi), col_len - 1)  # inclusive
+    if row_segments is not None:
+        blocks = row_segments.reshape(row_segments.shape[0], num_row_blocks, row_block)
+        rows_valid = (row_start[..., None] + jnp.arange(row_block)) < row_len[..., None]
+        seg_min = jnp.min(jnp.where(rows_valid, blocks, jnp.iinfo(jnp.int32).max), axis=-1)
+        seg_max = jnp.max(jnp.where(rows_valid, blocks, jnp.iinfo(jnp.int32).min), axis=-1)
+        cols = jnp.arange(col_segments.shape[1], dtype=jnp.int32)
+        hit = (
+            (col_segments[:, None, :] >= seg_min[..., None])
+            & (col_segments[:, None, :] <= seg_max[..., None])
+            & (cols < col_len[..., None])
+        )
+        first = jnp.maximum(first, jnp.argmax(hit, axis=-1))
+        last = jnp.minimum(last, cols.shape[0] - 1 - jnp.argmax(hit[..., ::-1], axis=-1))
+        last = jnp.where(jnp.any(hit, axis=-1), last, -1)
+    empty = last < first
+    lo_block = jnp.where(empty, 0, first // col_block)
+    hi_block = jnp.where(empty, 0, last // col_block + 1)
+
+    if row_segments is not None:
+        full_lo = full_hi = hi_block
+    else:
+        row_end = row_start + row_block
+        full_lo = jnp.maximum(0 if lo is None else _cdiv(row_end - 1 + lo, col_block), lo_block)
+        full_hi = col_len // col_block
+        if hi is not None:
+            full_hi = jnp.minimum(full_hi, (row_start + hi + 1) // col_block)
+        full_hi = jnp.minimum(full_hi, hi_block)
+        no_full = (full_lo >= full_hi) | (row_end > row_len)
+        full_lo = jnp.where(no_full, hi_block, full_lo)
+        full_hi = jnp.where(no_full, hi_block, full_hi)
+
+    shape = lo_block.shape
+    columns = [lo_block, hi_block, full_lo, full_hi, row_len, col_len]
+    columns = [jnp.broadcast_to(c, shape).astype(jnp.int32) for c in columns]
+    columns += [jnp.zeros(shape, jnp.int32)] * (TABLE_WIDTH - len(columns))
+    return jnp.stack(columns, axis=-1)

@@ -1,0 +1,66 @@
+"""Pure-jnp attention with the same meaning and signature as the Pallas kernels.
+
+It materialises the (B, N, T, S) logits, so its memory is quadratic in the sequence length; it is
+the ground truth for the tests and the `implementation="xla"` path of `dot_product_attention`.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.attention import masking
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    *,
+    scale=None,
+    is_causal=False,
+    local_window_size=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    logits_soft_cap=None,
+    return_residual=False,
+    precision=jax.lax.Precision.HIGHEST,
+):
+    """Softmax attention, computed densely in float32.
+
+    Shapes and meaning are those of `pallas_kernels.dot_product_attention` (query (B, T, N, H),
+    key/value (B, S, K, H), N % K == 0); the arguments are assumed valid (the public API checks
+    them). Returns the output in the query's dtype and, with `return_residual`, the natural-log
+    log-sum-exp of the logits, (B, T, N) float32 (-inf for rows that see no key, whose output is 0).
+    """
+    batch, t, n, h = query.shape
+    s, k_heads = key.shape[1], key.shape[2]
+    scale = h**-0.5 if scale is None else scale
+    q = query.astype(jnp.float32).reshape(batch, t, k_heads, n // k_heads, h)
+    logits = jnp.einsum(
+        "btkgh,bskh->bkgts", q, key.astype(jnp.float32), precision=precision
+    ) * scale
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    visible = masking.dense_mask(
+        t, s,
+        band=masking.band(is_causal, local_window_size),
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+    )[:, None, None]  # (B, 1, 1, T, S)
+    logits = jnp.where(visible, logits, -jnp.inf)
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.exp(logits - row_max)
+    row_sum = jnp.sum(weights, axis=-1, keepdims=True)
+    empty = row_sum == 0.0
+    row_sum = jnp.where(empty, 1.0, row_sum)
+    probs = weights / row_sum
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, value.astype(jnp.float32), precision=precision)
+    out = out.reshape(batch, t, n, h).astype(query.dtype)
+    if not return_residual:
+        return out
+    lse = jnp.where(empty, -jnp.inf, jnp.log(row_sum) + row_max)[..., 0]  # (B, K, G, T)
+    return out, jnp.moveaxis(lse.reshape(batch, n, t), 1, 2)
