@@ -75,9 +75,9 @@ def dot_product_attention(
     q_len = _check_lengths("query_seq_lengths", query_seq_lengths, batch, t, batched)
     kv_len = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, s, batched)
     scale = _check_scale(scale, h)
-    band = masking.band(is_causal, _check_window(local_window_size))
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    band = masking.band(is_causal, _check_window(local_window_size))
     if logits_soft_cap is not None:
         if not isinstance(logits_soft_cap, numbers.Real) or not logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap must be a number > 0, got {logits_soft_cap!r}")
@@ -289,10 +289,8 @@ def _flash_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
 
 def _flash_attention_fwd(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
     table = _tables(config, q.shape[1], k.shape[1], q_seg, kv_seg, q_len, kv_len, "forward")
-    fwd = config.blocks.forward
     out, lse = forward.forward(
-        q, k, v, q_seg, kv_seg, table, static=config.static, block_q=fwd.block_q,
-        block_k=fwd.block_k, num_warps=fwd.num_warps, num_stages=fwd.num_stages,
+        q, k, v, q_seg, kv_seg, table, static=config.static, blocks=config.blocks.forward
     )
     return (out, lse), (q, k, v, q_seg, kv_seg, q_len, kv_len, out, lse)
 
@@ -303,11 +301,14 @@ def _flash_attention_bwd(config, residuals, cotangents):
     t_pad, s_pad = q.shape[1], k.shape[1]
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     delta = jnp.swapaxes(delta, 1, 2) - dlse  # (B, N, Tp)
-    dq, dk, dv = backward.backward(
-        q, k, v, dout.astype(q.dtype), lse, delta, q_seg, kv_seg,
-        _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, "dkv"),
-        _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, "dq"),
-        static=config.static, dkv_blocks=config.blocks.dkv, dq_blocks=config.blocks.dq,
+    arrays = (q, k, v, dout.astype(q.dtype), lse, delta, q_seg, kv_seg)
+    dk, dv = backward.dkv(
+        *arrays, _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, "dkv"),
+        static=config.static, blocks=config.blocks.dkv,
+    )
+    dq = backward.dq(
+        *arrays, _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, "dq"),
+        static=config.static, blocks=config.blocks.dq,
     )
     return dq, dk, dv, None, None, None, None
 

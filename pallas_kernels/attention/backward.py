@@ -108,61 +108,67 @@ def _dq_kernel(
     dq_ref[...] = (dq * static.scale).astype(dq_ref.dtype)
 
 
-def backward(
-    q, k, v, do, lse, delta, q_seg, kv_seg, dkv_table, dq_table, *, static, dkv_blocks, dq_blocks
-):
-    """dq, dk, dv for padded inputs (shapes as in `forward.forward`).
+def dkv(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks):
+    """dk, dv for padded inputs (shapes as in `forward.forward`), summed over each GQA group.
 
-    lse and delta are (B, N, Tp) float32; `dkv_table` is the `masking.block_table` of key blocks
-    over query blocks (transposed band), `dq_table` that of query blocks over key blocks.
-    `dkv_blocks`/`dq_blocks` are `tuning.KernelBlocks`.
+    lse and delta are (B, N, Tp) float32; `table` is the `masking.block_table` of key blocks over
+    query blocks (transposed band); `blocks` a `tuning.KernelBlocks`.
     """
-    batch, t_pad, heads, d_pad = q.shape
+    batch, t_pad, _, d_pad = q.shape
     s_pad, kv_heads = k.shape[1], k.shape[2]
-    groups = static.groups
-    segs = [q_seg, kv_seg] if static.has_segments else []
-
-    bq, bk = dkv_blocks.block_q, dkv_blocks.block_k
+    bq, bk, groups = blocks.block_q, blocks.block_k, static.groups
     group_spec = pl.BlockSpec((None, t_pad, groups, d_pad), lambda j, h, b: (b, 0, h, 0))
     group_rows = pl.BlockSpec((None, groups, t_pad), lambda j, h, b: (b, h, 0))
     kv_spec = pl.BlockSpec((None, bk, None, d_pad), lambda j, h, b: (b, j, h, 0))
-    seg_specs = [
-        pl.BlockSpec((None, t_pad), lambda j, h, b: (b, 0)),
-        pl.BlockSpec((None, bk), lambda j, h, b: (b, j)),
+    in_specs = [
+        pl.BlockSpec((None, None, table.shape[-1]), lambda j, h, b: (b, j, 0)),
+        group_spec, kv_spec, kv_spec, group_spec, group_rows, group_rows,
     ]
-    dk, dv = pl.pallas_call(
+    args = [table, q, k, v, do, lse, delta]
+    if static.has_segments:
+        in_specs += [
+            pl.BlockSpec((None, t_pad), lambda j, h, b: (b, 0)),
+            pl.BlockSpec((None, bk), lambda j, h, b: (b, j)),
+        ]
+        args += [q_seg, kv_seg]
+    return pl.pallas_call(
         functools.partial(_dkv_kernel, static=static, block_q=bq, block_k=bk),
         grid=(s_pad // bk, kv_heads, batch),
-        in_specs=[
-            pl.BlockSpec((None, None, dkv_table.shape[-1]), lambda j, h, b: (b, j, 0)),
-            group_spec, kv_spec, kv_spec, group_spec, group_rows, group_rows,
-        ] + (seg_specs if segs else []),
+        in_specs=in_specs,
         out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_compat.triton_params(dkv_blocks.num_warps, dkv_blocks.num_stages),
+        compiler_params=_compat.triton_params(blocks.num_warps, blocks.num_stages),
         interpret=static.interpret,
         name="flash_attention_dkv",
-    )(dkv_table, q, k, v, do, lse, delta, *segs)
+    )(*args)
 
-    bq, bk = dq_blocks.block_q, dq_blocks.block_k
+
+def dq(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks):
+    """dq for padded inputs; `table` is the `masking.block_table` of query over key blocks."""
+    batch, t_pad, heads, d_pad = q.shape
+    s_pad = k.shape[1]
+    bq, bk, groups = blocks.block_q, blocks.block_k, static.groups
     q_spec = pl.BlockSpec((None, bq, None, d_pad), lambda i, h, b: (b, i, h, 0))
     rows_spec = pl.BlockSpec((None, None, bq), lambda i, h, b: (b, h, i))
-    full_kv = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, b: (b, 0, h // groups, 0))
-    seg_specs = [
-        pl.BlockSpec((None, bq), lambda i, h, b: (b, i)),
-        pl.BlockSpec((None, s_pad), lambda i, h, b: (b, 0)),
+    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, b: (b, 0, h // groups, 0))
+    in_specs = [
+        pl.BlockSpec((None, None, table.shape[-1]), lambda i, h, b: (b, i, 0)),
+        q_spec, kv_spec, kv_spec, q_spec, rows_spec, rows_spec,
     ]
-    dq = pl.pallas_call(
+    args = [table, q, k, v, do, lse, delta]
+    if static.has_segments:
+        in_specs += [
+            pl.BlockSpec((None, bq), lambda i, h, b: (b, i)),
+            pl.BlockSpec((None, s_pad), lambda i, h, b: (b, 0)),
+        ]
+        args += [q_seg, kv_seg]
+    return pl.pallas_call(
         functools.partial(_dq_kernel, static=static, block_q=bq, block_k=bk),
         grid=(t_pad // bq, heads, batch),
-        in_specs=[
-            pl.BlockSpec((None, None, dq_table.shape[-1]), lambda i, h, b: (b, i, 0)),
-            q_spec, full_kv, full_kv, q_spec, rows_spec, rows_spec,
-        ] + (seg_specs if segs else []),
+        in_specs=in_specs,
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_compat.triton_params(dq_blocks.num_warps, dq_blocks.num_stages),
+        compiler_params=_compat.triton_params(blocks.num_warps, blocks.num_stages),
         interpret=static.interpret,
         name="flash_attention_dq",
-    )(dq_table, q, k, v, do, lse, delta, *segs)
-    return dq, dk, dv
+    )(*args)

@@ -61,13 +61,15 @@ def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, static, block_q, bloc
     lse_ref[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) * common.LN2)
 
 
-def forward(q, k, v, q_seg, kv_seg, table, *, static, block_q, block_k, num_warps, num_stages):
+def forward(q, k, v, q_seg, kv_seg, table, *, static, blocks):
     """Runs the forward kernel on padded inputs.
 
     q (B, Tp, N, Dp), k/v (B, Sp, K, Dp) with Tp % block_q == 0, Sp % block_k == 0 and Dp a power
     of two; q_seg (B, Tp) / kv_seg (B, Sp) int32 or None; table (B, Tp // block_q, 8) from
-    `masking.block_table`. Returns out (B, Tp, N, Dp) in q's dtype and lse (B, N, Tp) float32.
+    `masking.block_table`; `blocks` a `tuning.KernelBlocks`. Returns out (B, Tp, N, Dp) in q's
+    dtype and lse (B, N, Tp) float32.
     """
+    block_q, block_k = blocks.block_q, blocks.block_k
     batch, t_pad, heads, d_pad = q.shape
     s_pad = k.shape[1]
     num_q_blocks = t_pad // block_q
@@ -105,7 +107,7 @@ def forward(q, k, v, q_seg, kv_seg, table, *, static, block_q, block_k, num_warp
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32),
         ],
-        compiler_params=_compat.triton_params(num_warps, num_stages),
+        compiler_params=_compat.triton_params(blocks.num_warps, blocks.num_stages),
         interpret=static.interpret,
         name="flash_attention_forward",
     )(*args)

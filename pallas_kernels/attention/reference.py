@@ -4,6 +4,8 @@ It materialises the (B, N, T, S) logits, so its memory is quadratic in the seque
 the ground truth for the tests and the `implementation="xla"` path of `dot_product_attention`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -24,7 +26,7 @@ def dot_product_attention(
     key_value_seq_lengths=None,
     logits_soft_cap=None,
     return_residual=False,
-    precision=jax.lax.Precision.HIGHEST,
+    upcast=True,
 ):
     """Softmax attention, computed densely in float32.
 
@@ -32,14 +34,21 @@ def dot_product_attention(
     key/value (B, S, K, H), N % K == 0); the arguments are assumed valid (the public API checks
     them). Returns the output in the query's dtype and, with `return_residual`, the natural-log
     log-sum-exp of the logits, (B, T, N) float32 (-inf for rows that see no key, whose output is 0).
+
+    With `upcast` (the default) every step runs in float32 at HIGHEST precision: the ground truth.
+    `upcast=False` mirrors a kernel's rounding instead: matmul operands in the input dtype with
+    float32 accumulation and the probabilities rounded to it, the baseline that a low-precision
+    kernel's error is measured against.
     """
     batch, t, n, h = query.shape
     s, k_heads = key.shape[1], key.shape[2]
     scale = h**-0.5 if scale is None else scale
-    q = query.astype(jnp.float32).reshape(batch, t, k_heads, n // k_heads, h)
-    logits = jnp.einsum(
-        "btkgh,bskh->bkgts", q, key.astype(jnp.float32), precision=precision
-    ) * scale
+    operand_dtype = jnp.float32 if upcast else query.dtype
+    matmul = functools.partial(
+        jnp.einsum, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+    q = query.astype(operand_dtype).reshape(batch, t, k_heads, n // k_heads, h)
+    logits = matmul("btkgh,bskh->bkgts", q, key.astype(operand_dtype)) * scale
     if logits_soft_cap is not None:
         logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     visible = masking.dense_mask(
@@ -58,7 +67,7 @@ def dot_product_attention(
     empty = row_sum == 0.0
     row_sum = jnp.where(empty, 1.0, row_sum)
     probs = weights / row_sum
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, value.astype(jnp.float32), precision=precision)
+    out = matmul("bkgts,bskh->btkgh", probs.astype(operand_dtype), value.astype(operand_dtype))
     out = out.reshape(batch, t, n, h).astype(query.dtype)
     if not return_residual:
         return out
