@@ -191,10 +191,15 @@ def main(argv=None):
     parser.add_argument("--kernels", default="forward,dkv,dq")
     parser.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seq len")
     parser.add_argument("--interpret", action="store_true")
+    parser.add_argument("--candidates", help='JSON {"forward": [[bq, bk, warps, stages], ...], ...}'
+                        " replacing CANDIDATES for the kernels it names")
     parser.add_argument("--out", default="benchmarks/results/attention_tune.json")
     args = parser.parse_args(argv)
     global INTERPRET
     INTERPRET = args.interpret
+    if args.candidates:
+        given = json.loads(args.candidates)
+        CANDIDATES.update({kernel: [tuple(c) for c in tiles] for kernel, tiles in given.items()})
     _compat.silence_triton_deprecation()
     result = dict(command=" ".join(sys.argv), device=jax.devices()[0].device_kind,
                   jax=jax.__version__, check=[], sweep=[], e2e=[])

@@ -66,7 +66,7 @@ def _b(block_q, block_k, num_warps, num_stages):
 _TABLE = {
     "hopper": [
         (64, BlockSizes(_b(128, 64, 4, 3), _b(64, 128, 8, 2), _b(128, 64, 8, 2))),
-        (128, BlockSizes(_b(128, 64, 8, 3), _b(64, 128, 8, 2), _b(128, 64, 8, 2))),
+        (128, BlockSizes(_b(128, 128, 8, 3), _b(64, 64, 4, 2), _b(128, 64, 8, 3))),
         (256, BlockSizes(_b(64, 64, 8, 2), _b(32, 64, 8, 2), _b(64, 32, 8, 2))),
     ],
     "ampere": [
