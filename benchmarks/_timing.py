@@ -152,14 +152,18 @@ def format_table(header, rows):
 def save_grouped_bar_plot(path, group_labels, panels, *, ylabel, title):
     """One subplot per panel, a bar group per label, one bar per series (None: no bar).
 
-    `panels` is a list of (panel title, {series name: [value per group label]}).
+    `panels` is a list of (panel title, {series name: [value per group label]}); a series with
+    no value in any panel gets no slot.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series_names = list(dict.fromkeys(name for _, series in panels for name in series))
+    series_names = list(dict.fromkeys(
+        name for _, series in panels for name, values in series.items()
+        if any(v is not None for v in values)
+    ))
     colors = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(series_names)}
     width = 0.8 / max(1, len(series_names))
     fig, axes = plt.subplots(
@@ -178,7 +182,8 @@ def save_grouped_bar_plot(path, group_labels, panels, *, ylabel, title):
         ax.set_xticks(range(len(group_labels)))
         ax.set_xticklabels(group_labels, rotation=30, ha="right", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8, ncol=min(4, len(series_names)))
+        if series_names:
+            ax.legend(fontsize=8, ncol=min(4, len(series_names)))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -61,13 +61,14 @@ def _b(block_q, block_k, num_warps, num_stages):
     return KernelBlocks(block_q, block_k, num_warps, num_stages)
 
 
-# (family, largest head dim it covers) -> BlockSizes; the first entry whose head dim covers the
-# padded head dim wins.
+# family -> [(largest head dim it covers, BlockSizes)]; the first entry that covers the padded head
+# dim wins. Hopper entries come from sweeps on an H200 (benchmarks/attention_tune.py, results in
+# benchmarks/results/ and benchmarks/NOTES.md); the others are estimates, not yet measured.
 _TABLE = {
     "hopper": [
-        (64, BlockSizes(_b(128, 64, 4, 3), _b(64, 128, 8, 2), _b(128, 64, 8, 2))),
+        (64, BlockSizes(_b(128, 64, 8, 3), _b(64, 64, 4, 2), _b(128, 64, 4, 3))),
         (128, BlockSizes(_b(128, 128, 8, 3), _b(64, 64, 4, 2), _b(128, 64, 8, 3))),
-        (256, BlockSizes(_b(64, 64, 8, 2), _b(32, 64, 8, 2), _b(64, 32, 8, 2))),
+        (256, BlockSizes(_b(128, 64, 8, 2), _b(64, 32, 4, 2), _b(64, 32, 4, 3))),
     ],
     "ampere": [
         (64, BlockSizes(_b(128, 64, 4, 3), _b(64, 128, 8, 2), _b(128, 64, 8, 2))),
