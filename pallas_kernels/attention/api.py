@@ -6,6 +6,7 @@ A call flows: argument checks (before anything is traced) -> implementation choi
 runs the dK/dV and dQ kernels.
 """
 
+import contextlib
 import dataclasses
 import functools
 import numbers
@@ -221,6 +222,7 @@ def _check_window(window):
 class _Config:
     static: common.Static
     blocks: tuning.BlockSizes
+    shape: tuple  # (B, T, S) before padding
 
 
 def _round_up(n, multiple):
@@ -249,7 +251,7 @@ def _pallas_attention(query, key, value, segments, q_len, kv_len, static, block_
         static.band != (None, None) or segments is not None or q_len is not None
         or kv_len is not None or t_pad != t or s_pad != s
     )
-    config = _Config(dataclasses.replace(static, may_mask=may_mask), blocks)
+    config = _Config(dataclasses.replace(static, may_mask=may_mask), blocks, (batch, t, s))
 
     q = _pad_axis(_pad_axis(query, 3, d_pad), 1, t_pad)
     k = _pad_axis(_pad_axis(key, 3, d_pad), 1, s_pad)
@@ -257,14 +259,25 @@ def _pallas_attention(query, key, value, segments, q_len, kv_len, static, block_
     q_seg, kv_seg = (None, None) if segments is None else (
         _pad_axis(segments[0], 1, t_pad), _pad_axis(segments[1], 1, s_pad)
     )
-    q_len = jnp.full((batch,), t, jnp.int32) if q_len is None else q_len
-    kv_len = jnp.full((batch,), s, jnp.int32) if kv_len is None else kv_len
     out, lse = _flash_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len)
     return out[:, :t, :, :h], jnp.swapaxes(lse[:, :, :t], 1, 2)
 
 
 def _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, kernel):
-    """`masking.block_table` of one kernel: "forward"/"dq" (query blocks), "dkv" (key blocks)."""
+    """`masking.block_table` of one kernel: "forward"/"dq" (query blocks), "dkv" (key blocks).
+
+    Without segments or lengths the table depends on shapes alone; it is then computed while
+    tracing and enters the program as a constant, costing no launch per call.
+    """
+    batch, t, s = config.shape
+    dynamic = q_seg is not None or q_len is not None or kv_len is not None
+    with contextlib.nullcontext() if dynamic else jax.ensure_compile_time_eval():
+        q_len = jnp.full((batch,), t, jnp.int32) if q_len is None else q_len
+        kv_len = jnp.full((batch,), s, jnp.int32) if kv_len is None else kv_len
+        return _block_table(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, kernel)
+
+
+def _block_table(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, kernel):
     blocks = getattr(config.blocks, kernel)
     if kernel == "dkv":  # rows are key blocks, columns query blocks
         return masking.block_table(
