@@ -189,6 +189,13 @@ def test_block_table_covers_visible_blocks(trial):
         band=(lo, hi), row_len=row_len, col_len=col_len,
         row_segments=row_seg if segments else None, col_segments=col_seg if segments else None,
     ))
+    host_table = masking.block_table(
+        num_row_blocks=nrb, row_block=row_block, num_col_blocks=ncb, col_block=col_block,
+        band=(lo, hi), row_len=np.asarray(row_len), col_len=np.asarray(col_len),
+        row_segments=np.asarray(row_seg) if segments else None,
+        col_segments=np.asarray(col_seg) if segments else None, xp=np,
+    )
+    assert isinstance(host_table, np.ndarray) and np.array_equal(host_table, table)
     mask = np.asarray(masking.dense_mask(
         nrb * row_block, ncb * col_block, band=(lo, hi),
         q_segment_ids=row_seg if segments else None, kv_segment_ids=col_seg if segments else None,

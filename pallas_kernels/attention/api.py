@@ -6,13 +6,13 @@ A call flows: argument checks (before anything is traced) -> implementation choi
 runs the dK/dV and dQ kernels.
 """
 
-import contextlib
 import dataclasses
 import functools
 import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import _compat
 from pallas_kernels.attention import backward, common, forward, masking, reference, tuning
@@ -266,31 +266,26 @@ def _pallas_attention(query, key, value, segments, q_len, kv_len, static, block_
 def _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, kernel):
     """`masking.block_table` of one kernel: "forward"/"dq" (query blocks), "dkv" (key blocks).
 
-    Without segments or lengths the table depends on shapes alone; it is then computed while
-    tracing and enters the program as a constant, costing no launch per call.
+    Without segments or lengths the table depends on shapes alone; it is then computed on the
+    host with numpy and enters the program as a constant, costing no launch per call.
     """
     batch, t, s = config.shape
-    dynamic = q_seg is not None or q_len is not None or kv_len is not None
-    with contextlib.nullcontext() if dynamic else jax.ensure_compile_time_eval():
-        q_len = jnp.full((batch,), t, jnp.int32) if q_len is None else q_len
-        kv_len = jnp.full((batch,), s, jnp.int32) if kv_len is None else kv_len
-        return _block_table(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, kernel)
-
-
-def _block_table(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, kernel):
+    xp = jnp if q_seg is not None or q_len is not None or kv_len is not None else np
+    q_len = xp.full((batch,), t, np.int32) if q_len is None else q_len
+    kv_len = xp.full((batch,), s, np.int32) if kv_len is None else kv_len
     blocks = getattr(config.blocks, kernel)
     if kernel == "dkv":  # rows are key blocks, columns query blocks
         return masking.block_table(
             num_row_blocks=s_pad // blocks.block_k, row_block=blocks.block_k,
             num_col_blocks=t_pad // blocks.block_q, col_block=blocks.block_q,
             band=masking.transpose_band(config.static.band), row_len=kv_len, col_len=q_len,
-            row_segments=kv_seg, col_segments=q_seg,
+            row_segments=kv_seg, col_segments=q_seg, xp=xp,
         )
     return masking.block_table(
         num_row_blocks=t_pad // blocks.block_q, row_block=blocks.block_q,
         num_col_blocks=s_pad // blocks.block_k, col_block=blocks.block_k,
         band=config.static.band, row_len=q_len, col_len=kv_len,
-        row_segments=q_seg, col_segments=kv_seg,
+        row_segments=q_seg, col_segments=kv_seg, xp=xp,
     )
 
 

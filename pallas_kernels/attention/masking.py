@@ -79,7 +79,7 @@ def _cdiv(x, y):
 
 def block_table(
     *, num_row_blocks, row_block, num_col_blocks, col_block, band, row_len, col_len,
-    row_segments=None, col_segments=None,
+    row_segments=None, col_segments=None, xp=jnp,
 ):
     """Per row block, the column blocks a kernel must visit, (B, num_row_blocks, TABLE_WIDTH) int32.
 
@@ -88,48 +88,49 @@ def block_table(
     there (empty, at ``HI``, when segments are given). ``ROW_LEN``/``COL_LEN`` repeat the lengths
     for the in-kernel mask. ``row_len``/``col_len`` are (B,) int32; segments (B, rows)/(B, cols)
     int32 padded to whole blocks. Segment ranges are conservative (they are exact for sorted ids,
-    as in packed documents); the in-kernel mask keeps any other order correct.
+    as in packed documents); the in-kernel mask keeps any other order correct. With `xp=numpy`
+    and numpy inputs the table is computed on the host (a constant of the traced program).
     """
     row_len = row_len[:, None]
     col_len = col_len[:, None]
-    row_start = jnp.arange(num_row_blocks, dtype=jnp.int32)[None, :] * row_block
-    valid_end = jnp.minimum(row_start + row_block, row_len)  # rows past row_len see nothing
+    row_start = xp.arange(num_row_blocks, dtype=xp.int32)[None, :] * row_block
+    valid_end = xp.minimum(row_start + row_block, row_len)  # rows past row_len see nothing
     lo, hi = band
-    first = jnp.maximum(row_start + (-_OPEN if lo is None else lo), 0)
-    last = jnp.minimum(valid_end - 1 + (_OPEN if hi is None else hi), col_len - 1)  # inclusive
+    first = xp.maximum(row_start + (-_OPEN if lo is None else lo), 0)
+    last = xp.minimum(valid_end - 1 + (_OPEN if hi is None else hi), col_len - 1)  # inclusive
     if row_segments is not None:
         blocks = row_segments.reshape(row_segments.shape[0], num_row_blocks, row_block)
-        rows_valid = (row_start[..., None] + jnp.arange(row_block)) < row_len[..., None]
-        seg_min = jnp.min(jnp.where(rows_valid, blocks, jnp.iinfo(jnp.int32).max), axis=-1)
-        seg_max = jnp.max(jnp.where(rows_valid, blocks, jnp.iinfo(jnp.int32).min), axis=-1)
-        cols = jnp.arange(col_segments.shape[1], dtype=jnp.int32)
+        rows_valid = (row_start[..., None] + xp.arange(row_block)) < row_len[..., None]
+        seg_min = xp.min(xp.where(rows_valid, blocks, xp.iinfo(xp.int32).max), axis=-1)
+        seg_max = xp.max(xp.where(rows_valid, blocks, xp.iinfo(xp.int32).min), axis=-1)
+        cols = xp.arange(col_segments.shape[1], dtype=xp.int32)
         hit = (
             (col_segments[:, None, :] >= seg_min[..., None])
             & (col_segments[:, None, :] <= seg_max[..., None])
             & (cols < col_len[..., None])
         )
-        first = jnp.maximum(first, jnp.argmax(hit, axis=-1))
-        last = jnp.minimum(last, cols.shape[0] - 1 - jnp.argmax(hit[..., ::-1], axis=-1))
-        last = jnp.where(jnp.any(hit, axis=-1), last, -1)
+        first = xp.maximum(first, xp.argmax(hit, axis=-1))
+        last = xp.minimum(last, cols.shape[0] - 1 - xp.argmax(hit[..., ::-1], axis=-1))
+        last = xp.where(xp.any(hit, axis=-1), last, -1)
     empty = last < first
-    lo_block = jnp.where(empty, 0, first // col_block)
-    hi_block = jnp.where(empty, 0, last // col_block + 1)
+    lo_block = xp.where(empty, 0, first // col_block)
+    hi_block = xp.where(empty, 0, last // col_block + 1)
 
     if row_segments is not None:
         full_lo = full_hi = hi_block
     else:
         row_end = row_start + row_block
-        full_lo = jnp.maximum(0 if lo is None else _cdiv(row_end - 1 + lo, col_block), lo_block)
+        full_lo = xp.maximum(0 if lo is None else _cdiv(row_end - 1 + lo, col_block), lo_block)
         full_hi = col_len // col_block
         if hi is not None:
-            full_hi = jnp.minimum(full_hi, (row_start + hi + 1) // col_block)
-        full_hi = jnp.minimum(full_hi, hi_block)
+            full_hi = xp.minimum(full_hi, (row_start + hi + 1) // col_block)
+        full_hi = xp.minimum(full_hi, hi_block)
         no_full = (full_lo >= full_hi) | (row_end > row_len)
-        full_lo = jnp.where(no_full, hi_block, full_lo)
-        full_hi = jnp.where(no_full, hi_block, full_hi)
+        full_lo = xp.where(no_full, hi_block, full_lo)
+        full_hi = xp.where(no_full, hi_block, full_hi)
 
     shape = lo_block.shape
     columns = [lo_block, hi_block, full_lo, full_hi, row_len, col_len]
-    columns = [jnp.broadcast_to(c, shape).astype(jnp.int32) for c in columns]
-    columns += [jnp.zeros(shape, jnp.int32)] * (TABLE_WIDTH - len(columns))
-    return jnp.stack(columns, axis=-1)
+    columns = [xp.broadcast_to(c, shape).astype(xp.int32) for c in columns]
+    columns += [xp.zeros(shape, xp.int32)] * (TABLE_WIDTH - len(columns))
+    return xp.stack(columns, axis=-1)
