@@ -1,0 +1,337 @@
+"""`mamba_chunk_scan_combined`: Mamba2's SSD with mamba_ssm's names, shapes and meaning.
+
+A call flows: argument checks (before anything is traced) -> implementation choice ("xla" runs
+the chunked jnp reference, "pallas" the kernels) -> dt preprocessing (softplus, bias, clip) and
+padding in XLA, differentiated by XLA -> `_ssd`, a `jax.custom_vjp` over the kernels whose
+forward saves x, dt', A, B, C, D, z, h0 and the pre-gate output, and whose backward recomputes
+the chunk states.
+"""
+
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _compat
+from pallas_kernels.mamba2 import backward, common, forward, reference, state_update, tuning
+
+IMPLEMENTATIONS = ("pallas", "xla")
+_FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+
+
+def mamba_chunk_scan_combined(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+    *,
+    implementation=None,
+    interpret=None,
+):
+    """Mamba2's chunked selective scan (SSD), differentiable in every array argument.
+
+    Token by token, for batch row b, head h and its group g = h // (H // G):
+    dt' = clip(softplus(dt + dt_bias)) (softplus only with `dt_softplus`, identity above 20; the
+    clip to `dt_limit` has zero gradient where active); h_t = exp(dt'_t A_h) h_{t-1} +
+    dt'_t x_t B_t^T; y_t = h_t C_t + D x_t; y_t *= silu(z_t). The state resets to zero where
+    `seq_idx` changes; `initial_states` feed the first sequence of each row.
+
+    Args:
+      x: (b, T, H, P); dt: (b, T, H); A: (H,), negative; B, C: (b, T, G, N) with H % G == 0.
+      chunk_size: a power of two (mamba_ssm uses 64-256). The SSD result does not depend on it;
+        the kernels use min(chunk_size, the tuned tile).
+      D: (H,) or (H, P); z: (b, T, H, P); dt_bias: (H,); initial_states: (b, H, P, N);
+      seq_idx: (b, T) integers, contiguous runs marking packed sequences.
+      return_final_states: also return the state after the last token, (b, H, P, N) float32.
+      implementation: "pallas", "xla" (chunked jnp reference) or None (pallas on GPU, else xla).
+      interpret: run the Pallas kernels in interpret mode; None: when not on a GPU.
+
+    Returns:
+      y (b, T, H, P) in x's dtype, or (y, final_states) with `return_final_states`.
+    """
+    _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
+    implementation, interpret = _choose(implementation, interpret)
+    if implementation == "xla":
+        return reference.mamba_chunk_scan_combined(
+            x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+            initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
+            dt_limit=dt_limit, return_final_states=return_final_states,
+        )
+    dt_step = reference.preprocess_dt(dt, dt_bias, dt_softplus, dt_limit).astype(jnp.float32)
+    y, final = _pallas_ssd(x, dt_step, A, B, C, chunk_size, D, z, initial_states, seq_idx,
+                           interpret)
+    return (y, final) if return_final_states else y
+
+
+def selective_state_update(
+    state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, *,
+    implementation=None, interpret=None,
+):
+    """One decode step (mamba_ssm's `selective_state_update`), functional and differentiable.
+
+    h' = exp(dt' A) h + dt' x B^T; y = h' C + D x; y *= silu(z), with dt' = softplus(dt +
+    dt_bias) when `dt_softplus` (no clip, as in mamba_ssm). Stepping it over a sequence gives the
+    outputs and final state of `mamba_chunk_scan_combined`.
+
+    Args:
+      state: (b, H, P, N); x: (b, H, P); dt: (b, H); A: (H,); B, C: (b, G, N) with H % G == 0;
+      D: (H,) or (H, P); z: (b, H, P); dt_bias: (H,).
+      implementation, interpret: as for `mamba_chunk_scan_combined`.
+
+    Returns:
+      (y (b, H, P) in x's dtype, new_state (b, H, P, N) float32).
+    """
+    _check_step(state, x, dt, A, B, C, D, z, dt_bias)
+    implementation, interpret = _choose(implementation, interpret)
+    if implementation == "xla":
+        return reference.selective_state_update(
+            state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus
+        )
+    return _pallas_step(dt_softplus, interpret, state, x, dt, A, B, C, D, z, dt_bias)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _pallas_step(dt_softplus, interpret, state, x, dt, A, B, C, D, z, dt_bias):
+    b, h, p, n = state.shape
+    p_pad, n_pad = _pow2_at_least(p), _pow2_at_least(n)
+    dt_step = reference.preprocess_dt(dt, dt_bias, dt_softplus).astype(jnp.float32)
+    decay = jnp.exp(jnp.minimum(dt_step * A.astype(jnp.float32), 0.0))
+    if D is not None:
+        D = jnp.broadcast_to(D.astype(jnp.float32)[:, None] if D.ndim == 1 else D, (h, p))
+        D = _pad(D.astype(jnp.float32), (None, p_pad))
+    y, new_state = state_update.state_update(
+        _pad(state.astype(jnp.float32), (None, None, p_pad, n_pad)),
+        jnp.stack([dt_step, decay], axis=-1),
+        _pad(x, (None, None, p_pad)),
+        _pad(B, (None, None, n_pad)),
+        _pad(C, (None, None, n_pad)),
+        D,
+        None if z is None else _pad(z, (None, None, p_pad)),
+        interpret=interpret,
+    )
+    return y[:, :, :p], new_state[:, :, :p, :n]
+
+
+def _pallas_step_fwd(dt_softplus, interpret, *args):
+    return _pallas_step(dt_softplus, interpret, *args), args
+
+
+def _pallas_step_bwd(dt_softplus, interpret, args, cotangents):
+    # One step is cheap: differentiate the jnp reference (same function) instead of a kernel.
+    step = functools.partial(reference.selective_state_update, dt_softplus=dt_softplus)
+    return jax.vjp(step, *args)[1](cotangents)
+
+
+_pallas_step.defvjp(_pallas_step_fwd, _pallas_step_bwd)
+
+
+def _choose(implementation, interpret):
+    if implementation not in (None, *IMPLEMENTATIONS):
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
+        )
+    if interpret is not None and not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    on_gpu = _compat.targets_gpu()
+    if implementation is None:
+        implementation = "pallas" if on_gpu else "xla"
+    return implementation, (not on_gpu) if interpret is None else interpret
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks: each raises ValueError/TypeError naming the argument, before any tracing.
+
+
+def _shape_error(name, want, got):
+    return ValueError(f"{name} must have shape {want}, got {got}")
+
+
+def _check_floats(arrays):
+    for name, value in arrays.items():
+        if value is None:
+            continue
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(value)}")
+        if value.dtype not in _FLOATS:
+            raise TypeError(f"{name} must be a float array, got {value.dtype}")
+
+
+def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit):
+    _check_floats(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
+                       initial_states=initial_states))
+    if x.ndim != 4:
+        raise ValueError(f"x must be rank 4 (b, T, H, P), got {x.shape}")
+    b, t, h, p = x.shape
+    if 0 in x.shape:
+        raise ValueError(f"x must not be empty, got {x.shape}")
+    if dt.shape != (b, t, h):
+        raise _shape_error("dt", (b, t, h), dt.shape)
+    if A.shape != (h,):
+        raise _shape_error("A", (h,), A.shape)
+    if B.ndim != 4 or B.shape[:2] != (b, t):
+        raise ValueError(f"B must have shape (b, T, G, N) = ({b}, {t}, G, N), got {B.shape}")
+    g, n = B.shape[2:]
+    if g == 0 or h % g:
+        raise ValueError(f"heads ({h}) must be a multiple of B's groups ({g})")
+    if C.shape != B.shape:
+        raise _shape_error("C", B.shape, C.shape)
+    if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
+    if D is not None and D.shape not in ((h,), (h, p)):
+        raise ValueError(f"D must have shape ({h},) or ({h}, {p}), got {D.shape}")
+    if z is not None and z.shape != x.shape:
+        raise _shape_error("z", x.shape, z.shape)
+    if dt_bias is not None and dt_bias.shape != (h,):
+        raise _shape_error("dt_bias", (h,), dt_bias.shape)
+    if initial_states is not None and initial_states.shape != (b, h, p, n):
+        raise _shape_error("initial_states", (b, h, p, n), initial_states.shape)
+    if seq_idx is not None:
+        if not hasattr(seq_idx, "dtype") or not jnp.issubdtype(seq_idx.dtype, jnp.integer):
+            got = getattr(seq_idx, "dtype", type(seq_idx))
+            raise TypeError(f"seq_idx must be an integer array, got {got}")
+        if seq_idx.shape != (b, t):
+            raise _shape_error("seq_idx", (b, t), seq_idx.shape)
+    if (
+        not isinstance(dt_limit, tuple | list) or len(dt_limit) != 2
+        or not all(isinstance(v, numbers.Real) for v in dt_limit)
+        or not dt_limit[0] <= dt_limit[1]
+    ):
+        raise ValueError(f"dt_limit must be a (low, high) pair with low <= high, got {dt_limit!r}")
+    if n > 256 or p > 256:
+        raise ValueError(f"state size N and head dim P must be at most 256, got N={n}, P={p}")
+
+
+def _check_step(state, x, dt, A, B, C, D, z, dt_bias):
+    arrays = dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+    _check_floats(arrays)
+    if x.ndim != 3:
+        raise ValueError(f"x must be rank 3 (b, H, P), got {x.shape}")
+    b, h, p = x.shape
+    if B.ndim != 3 or B.shape[0] != b:
+        raise ValueError(f"B must have shape (b, G, N) = ({b}, G, N), got {B.shape}")
+    g, n = B.shape[1:]
+    if g == 0 or h % g:
+        raise ValueError(f"heads ({h}) must be a multiple of B's groups ({g})")
+    want = dict(state=(b, h, p, n), dt=(b, h), A=(h,), C=B.shape, z=x.shape, dt_bias=(h,))
+    for name, shape in want.items():
+        if arrays[name] is not None and arrays[name].shape != shape:
+            raise _shape_error(name, shape, arrays[name].shape)
+    if D is not None and D.shape not in ((h,), (h, p)):
+        raise ValueError(f"D must have shape ({h},) or ({h}, {p}), got {D.shape}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Pallas path.
+
+
+def _pow2_at_least(n, minimum=16):
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def _pad(x, sizes, mode="constant"):
+    """Pads each axis of x at the end up to `sizes` (None keeps an axis)."""
+    widths = [
+        (0, 0 if size is None else size - dim) for dim, size in zip(x.shape, sizes, strict=True)
+    ]
+    return x if not any(w for _, w in widths) else jnp.pad(x, widths, mode=mode)
+
+
+def _pallas_ssd(x, dt_step, A, B, C, chunk_size, D, z, initial_states, seq_idx, interpret):
+    """Pads to whole chunks and power-of-two P and N, runs `_ssd`, slices back."""
+    b, t, h, p = x.shape
+    n = B.shape[-1]
+    p_pad, n_pad = _pow2_at_least(p), _pow2_at_least(n)
+    blocks = tuning.blocks_for(_compat.target_device()[0], n_pad)
+    block_t = max(16, min(chunk_size, blocks.block_t))
+    t_pad = math.ceil(t / block_t) * block_t
+    static = common.Static(
+        block_t=block_t,
+        block_p=min(blocks.block_p, p_pad),
+        num_chunks=t_pad // block_t,
+        has_seq_idx=seq_idx is not None,
+        has_d=D is not None,
+        has_z=z is not None,
+        has_initial_states=initial_states is not None,
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
+        interpret=interpret,
+    )
+    if D is not None:
+        D = jnp.broadcast_to(D.astype(jnp.float32)[:, None] if D.ndim == 1 else D, (h, p))
+        D = _pad(D.astype(jnp.float32), (None, p_pad))
+    y, final = _ssd(
+        static,
+        _pad(x, (None, t_pad, None, p_pad)),
+        _pad(jnp.swapaxes(dt_step, 1, 2), (None, None, t_pad)),
+        A.astype(jnp.float32),
+        _pad(B, (None, t_pad, None, n_pad)),
+        _pad(C.astype(B.dtype), (None, t_pad, None, n_pad)),
+        D,
+        None if z is None else _pad(z.astype(x.dtype), (None, t_pad, None, p_pad)),
+        None if initial_states is None else _pad(
+            initial_states.astype(jnp.float32), (None, None, p_pad, n_pad)
+        ),
+        None if seq_idx is None else _pad(seq_idx.astype(jnp.int32), (None, t_pad), "edge"),
+    )
+    return y[:, :t, :, :p], final[:, :, :p, :n]
+
+
+def _chunk_cumsum(a, block_t):
+    """In-chunk inclusive cumsum over the last axis (a multiple of block_t)."""
+    shape = a.shape
+    chunks = a.reshape(*shape[:-1], shape[-1] // block_t, block_t)
+    return jnp.cumsum(chunks, axis=-1).reshape(shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ssd(static, x, dt_step, A, B, C, D, z, h0, seq):
+    """(y, final) of padded inputs; dt_step (b, H, Tp) float32. See `forward.forward`."""
+    return _ssd_fwd(static, x, dt_step, A, B, C, D, z, h0, seq)[0]
+
+
+def _ssd_fwd(static, x, dt_step, A, B, C, D, z, h0, seq):
+    s = _chunk_cumsum(dt_step * A[None, :, None], static.block_t)
+    y, y_pre, final = forward.forward(x, dt_step, s, B, C, seq, D, z, h0, static=static)
+    return (y, final), (x, dt_step, A, B, C, D, z, h0, seq, y_pre)
+
+
+def _ssd_bwd(static, residuals, cotangents):
+    x, dt_step, A, B, C, D, z, h0, seq, y_pre = residuals
+    dy, dfinal = cotangents
+    dz = None
+    if z is not None:
+        zf = z.astype(jnp.float32)
+        sig = jax.nn.sigmoid(zf)
+        dz = (dy.astype(jnp.float32) * y_pre.astype(jnp.float32) * sig * (1 + zf * (1 - sig)))
+        dz = dz.astype(z.dtype)
+        dy = dy.astype(jnp.float32) * zf * sig
+    dy = dy.astype(x.dtype)
+    s = _chunk_cumsum(dt_step * A[None, :, None], static.block_t)
+    states, _ = forward.forward(x, dt_step, s, B, C, seq, None, None, h0, static=static,
+                                emit="states")
+    dfinal = dfinal.astype(jnp.float32)
+    gstates, dh0 = backward.state_gradients(dy, s, C, seq, dfinal, static=static)
+    dx, ddt_x, dlog_decay, dB, dC = backward.chunk_gradients(
+        x, dy, dt_step, s, B, C, seq, D, states, gstates, static=static
+    )
+    ddt_step = dlog_decay * A[None, :, None] + ddt_x
+    dA = jnp.sum(dlog_decay * dt_step, axis=(0, 2))
+    dD = None
+    if D is not None:
+        dD = jnp.sum(dy.astype(jnp.float32) * x.astype(jnp.float32), axis=(0, 1))
+    return dx, ddt_step, dA, dB, dC, dD, dz, None if h0 is None else dh0, None
+
+
+_ssd.defvjp(_ssd_fwd, _ssd_bwd)

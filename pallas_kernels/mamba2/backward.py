@@ -1,0 +1,208 @@
+"""SSD backward kernels (Pallas, Triton lowering), deterministic: no atomics.
+
+After the forward kernel recomputes the state entering each chunk (`forward(emit="states")`):
+
+* `state_gradients`: one program per (batch row, head, head-dim block) walks the chunks in
+  reverse, G <- dH_local + exp(s_last) G, writing G (the gradient of the state leaving each
+  chunk) and the initial-state gradient.
+* `chunk_gradients`: one program per (chunk, group, batch row) loops over the group's heads. It
+  computes C B^T once, writes dx and two per-token float32 vectors per head (the dt' term of dx
+  and the gradient of the log decay a = dt' A, chunk-local thanks to G), and sums dB, dC over the
+  heads in registers.
+
+States and their gradients pass between the kernels in float32.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels.mamba2 import common
+
+
+def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final):
+    refs = list(refs)
+    seq_ref = refs.pop(0) if static.has_seq_idx else None
+    dfinal_ref = refs.pop(0) if has_final else None
+    gstates_ref, dh0_ref = refs
+    nc = static.num_chunks
+
+    def chunk(i, grad):
+        c = nc - 1 - i
+        gstates_ref[c] = grad.astype(gstates_ref.dtype)
+        tok = common.chunk_tokens(c, static)
+        dy = dy_ref[tok, :]
+        cmat = c_ref[tok, :]
+        masks = common.chunk_masks(c, s_ref, seq_ref, static)
+        dy_weighted = (dy.astype(jnp.float32) * masks.from_start[:, None]).astype(cmat.dtype)
+        local = jnp.dot(dy_weighted.T, cmat, preferred_element_type=jnp.float32)  # (P, N)
+        return local + masks.chunk_decay * grad
+
+    grad = (
+        dfinal_ref[...].astype(jnp.float32)
+        if dfinal_ref is not None
+        else jnp.zeros(dh0_ref.shape, jnp.float32)
+    )
+    dh0_ref[...] = jax.lax.fori_loop(0, nc, chunk, grad)
+
+
+def state_gradients(dy, s, c, seq, dfinal, *, static):
+    """Gradients of the chunk-leaving states, (B, H, nc, Pp, Np) float32, and of h0.
+
+    dy (B, Tp, H, Pp) is the gradient of the pre-gate output; s (B, H, Tp); c (B, Tp, G, Np);
+    seq (B, Tp) or None; dfinal (B, H, Pp, Np) float32 or None. Returns (gstates, dh0 float32).
+    """
+    batch, t_pad, heads, p_pad = dy.shape
+    n_pad = c.shape[-1]
+    bp, nc = static.block_p, static.num_chunks
+    hpg = heads // c.shape[2]
+    state_spec = pl.BlockSpec((None, None, bp, n_pad), lambda p, h, i: (i, h, p, 0))
+    in_specs = [
+        pl.BlockSpec((None, t_pad, None, bp), lambda p, h, i: (i, 0, h, p)),
+        pl.BlockSpec((None, None, t_pad), lambda p, h, i: (i, h, 0)),
+        pl.BlockSpec((None, t_pad, None, n_pad), lambda p, h, i: (i, 0, h // hpg, 0)),
+    ]
+    args = [dy, s, c]
+    if static.has_seq_idx:
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda p, h, i: (i, 0)))
+        args.append(seq)
+    if dfinal is not None:
+        in_specs.append(state_spec)
+        args.append(dfinal)
+    return pl.pallas_call(
+        functools.partial(_state_gradients_kernel, static=static, has_final=dfinal is not None),
+        grid=(p_pad // bp, heads, batch),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, None, nc, bp, n_pad), lambda p, h, i: (i, h, 0, p, 0)),
+            state_spec,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, heads, nc, p_pad, n_pad), jnp.float32),
+            jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32),
+        ],
+        compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
+        interpret=static.interpret,
+        name="ssd_state_gradients",
+    )(*args)
+
+
+def _chunk_gradients_kernel(
+    x_ref, dy_ref, dt_ref, s_ref, b_ref, c_ref, states_ref, gstates_ref, *refs, static,
+    heads_per_group,
+):
+    refs = list(refs)
+    seq_ref = refs.pop(0) if static.has_seq_idx else None
+    d_ref = refs.pop(0) if static.has_d else None
+    dx_ref, ddt_ref, dlog_ref, db_ref, dc_ref = refs
+    c = pl.program_id(0)
+    b = b_ref[...]
+    cmat = c_ref[...]
+    dtype = b.dtype
+    b32, c32 = b.astype(jnp.float32), cmat.astype(jnp.float32)
+    scores = jnp.dot(cmat, b.T, preferred_element_type=jnp.float32)  # C B^T, (Q, Q)
+    q = static.block_t
+    row = jnp.arange(q, dtype=jnp.int32)[:, None]
+    col = jnp.arange(q, dtype=jnp.int32)[None, :]
+    before = (row < col).astype(jnp.float32)  # before[j, t] = [j < t]
+    at_or_after = row >= col  # at_or_after[l, t] = [l >= t]
+
+    def head(j, carry):
+        db, dc = carry
+        x = x_ref[:, j, :]
+        dy = dy_ref[:, j, :]
+        dt = dt_ref[j, common.chunk_tokens(c, static)]
+        masks = common.chunk_masks(c, s_ref, seq_ref, static, head=j)
+        state = states_ref[j]  # (P, N) float32: entering the chunk
+        grad = gstates_ref[j]  # (P, N) float32: gradient of the state leaving it
+        x_bar = (x.astype(jnp.float32) * dt[:, None]).astype(dtype)
+
+        dx_bar = masks.to_end[:, None] * jnp.dot(
+            b, grad.astype(dtype).T, preferred_element_type=jnp.float32
+        )
+        dx_bar += jnp.dot(
+            (scores * masks.decay).T.astype(dtype), dy, preferred_element_type=jnp.float32
+        )
+        dx = dx_bar * dt[:, None]
+        if d_ref is not None:
+            dx += d_ref[j, :][None, :] * dy.astype(jnp.float32)
+        dx_ref[:, j, :] = dx.astype(dx_ref.dtype)
+        ddt_ref[j, :] = jnp.sum(dx_bar * x.astype(jnp.float32), axis=1)
+
+        dscores = masks.decay * jnp.dot(dy, x_bar.T, preferred_element_type=jnp.float32)
+        db_state = masks.to_end[:, None] * jnp.dot(
+            x_bar, grad.astype(dtype), preferred_element_type=jnp.float32
+        )
+        dc_state = jnp.dot(dy, state.astype(dtype), preferred_element_type=jnp.float32)
+        db_head = db_state + jnp.dot(
+            dscores.T.astype(dtype), cmat, preferred_element_type=jnp.float32
+        )
+        dc_head = masks.from_start[:, None] * dc_state + jnp.dot(
+            dscores.astype(dtype), b, preferred_element_type=jnp.float32
+        )
+
+        # Gradient of the log-decay a_t, in mamba_ssm's three non-cancelling parts:
+        # intra-chunk sum_{l>=t} sum_{j<t} M[l, j] with M = C B^T o L o (dY xbar^T); the chunk
+        # state sum_{j<t} dB_state_j . B_j; the carried state sum_{l>=t} dY_l . Y_off_l, plus
+        # the passing term exp(s_last) <G, H> for every t.
+        prefix = jnp.dot(scores * dscores, before, preferred_element_type=jnp.float32)
+        intra = jnp.sum(jnp.where(at_or_after, prefix, 0.0), axis=0)
+        into_state = jnp.sum(b32 * db_state, axis=1)
+        from_state = masks.from_start * jnp.sum(c32 * dc_state, axis=1)
+        dlog_ref[j, :] = (
+            intra
+            + jnp.sum(before * into_state[:, None], axis=0)
+            + jnp.sum(jnp.where(at_or_after, from_state[:, None], 0.0), axis=0)
+            # One axis at a time: a two-axis reduction fails to lower under an abstract mesh.
+            + masks.chunk_decay * jnp.sum(jnp.sum(grad * state, axis=1), axis=0)
+        )
+        return db + db_head, dc + dc_head
+
+    zeros = jnp.zeros(b.shape, jnp.float32)
+    db, dc = jax.lax.fori_loop(0, heads_per_group, head, (zeros, zeros))
+    db_ref[...] = db.astype(db_ref.dtype)
+    dc_ref[...] = dc.astype(dc_ref.dtype)
+
+
+def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
+    """dx, the per-head float32 vectors (ddt_x, dlog_decay) and the group-summed dB, dC.
+
+    x, dy (B, Tp, H, Pp); dt, s (B, H, Tp) float32; b, c (B, Tp, G, Np); seq (B, Tp) or None;
+    d (H, Pp) float32 or None; states, gstates (B, H, nc, Pp, Np) float32. Returns dx
+    (B, Tp, H, Pp) in x's dtype; ddt_x (the dt' term of dx) and dlog_decay (the gradient of
+    a = dt' A) (B, H, Tp) float32; db and dc (B, Tp, G, Np) in b's dtype.
+    """
+    batch, t_pad, heads, p_pad = x.shape
+    groups, n_pad = b.shape[2], b.shape[3]
+    hpg, q, nc = heads // groups, static.block_t, static.num_chunks
+    tokens = pl.BlockSpec((None, q, hpg, p_pad), lambda ci, g, i: (i, ci, g, 0))
+    per_head_full = pl.BlockSpec((None, hpg, t_pad), lambda ci, g, i: (i, g, 0))
+    per_head_chunk = pl.BlockSpec((None, hpg, q), lambda ci, g, i: (i, g, ci))
+    group = pl.BlockSpec((None, q, None, n_pad), lambda ci, g, i: (i, ci, g, 0))
+    chunk_states = pl.BlockSpec((None, hpg, None, p_pad, n_pad), lambda ci, g, i: (i, g, ci, 0, 0))
+    in_specs = [tokens, tokens, per_head_full, per_head_full, group, group, chunk_states,
+                chunk_states]
+    args = [x, dy, dt, s, b, c, states, gstates]
+    if static.has_seq_idx:
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda ci, g, i: (i, 0)))
+        args.append(seq)
+    if static.has_d:
+        in_specs.append(pl.BlockSpec((hpg, p_pad), lambda ci, g, i: (g, 0)))
+        args.append(d)
+    per_token = jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_chunk_gradients_kernel, static=static, heads_per_group=hpg),
+        grid=(nc, groups, batch),
+        in_specs=in_specs,
+        out_specs=[tokens, per_head_chunk, per_head_chunk, group, group],
+        out_shape=[
+            jax.ShapeDtypeStruct(x.shape, x.dtype), per_token, per_token,
+            jax.ShapeDtypeStruct(b.shape, b.dtype), jax.ShapeDtypeStruct(c.shape, c.dtype),
+        ],
+        compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
+        interpret=static.interpret,
+        name="ssd_chunk_gradients",
+    )(*args)

@@ -1,0 +1,134 @@
+"""SSD forward kernel (Pallas, Triton lowering): the chunked scan fused into one pass.
+
+One program owns one (batch row, head, block of head-dim rows) and walks the chunks in order,
+keeping the (P_block, N) state in float32 registers. Per chunk of Q tokens it computes
+
+    y   = (L o C B^T o dt) x + exp(s) * (C h^T) + D x          (intra-chunk + carried state)
+    h  <- exp(s_last) h + (x * dt * exp(s_last - s))^T B        (state passing)
+
+where s is the in-chunk inclusive cumsum of a = dt * A and L[l, j] = exp(min(s_l - s_j, 0)) for
+j <= l. Chunk states never leave the program; the backward's recompute pass asks the same kernel
+to write the state entering each chunk instead of the output (`emit="states"`).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels.mamba2 import common
+
+
+def _forward_kernel(*refs, static, emit):
+    refs = list(refs)
+    x_ref, dt_ref, s_ref, b_ref, c_ref = (refs.pop(0) for _ in range(5))
+    seq_ref = refs.pop(0) if static.has_seq_idx else None
+    d_ref = refs.pop(0) if static.has_d and emit == "output" else None
+    z_ref = refs.pop(0) if static.has_z and emit == "output" else None
+    h0_ref = refs.pop(0) if static.has_initial_states else None
+    if emit == "output":
+        y_ref = refs.pop(0)
+        y_pre_ref = refs.pop(0) if static.has_z else None
+    else:
+        states_ref = refs.pop(0)
+    final_ref = refs.pop(0)
+
+    def chunk(c, state):
+        tok = common.chunk_tokens(c, static)
+        x = x_ref[tok, :]
+        dt = dt_ref[tok]
+        b = b_ref[tok, :]
+        cmat = c_ref[tok, :]
+        masks = common.chunk_masks(c, s_ref, seq_ref, static)
+        if emit == "states":
+            states_ref[c] = state.astype(states_ref.dtype)
+        else:
+            scores = jnp.dot(cmat, b.T, preferred_element_type=jnp.float32)  # (Q, Q)
+            weights = (scores * masks.decay * dt[None, :]).astype(x.dtype)
+            y = jnp.dot(weights, x, preferred_element_type=jnp.float32)
+            carried = jnp.dot(cmat, state.astype(cmat.dtype).T, preferred_element_type=jnp.float32)
+            y += masks.from_start[:, None] * carried
+            if d_ref is not None:
+                y += d_ref[...][None, :] * x.astype(jnp.float32)
+            if z_ref is None:
+                y_ref[tok, :] = y.astype(y_ref.dtype)
+            else:
+                y_pre_ref[tok, :] = y.astype(y_pre_ref.dtype)
+                z = z_ref[tok, :].astype(jnp.float32)
+                y_ref[tok, :] = (y * z * jax.nn.sigmoid(z)).astype(y_ref.dtype)
+        x_weighted = (x.astype(jnp.float32) * (dt * masks.to_end)[:, None]).astype(x.dtype)
+        chunk_state = jnp.dot(x_weighted.T, b, preferred_element_type=jnp.float32)  # (P, N)
+        return masks.chunk_decay * state + chunk_state
+
+    state = (
+        h0_ref[...].astype(jnp.float32)
+        if h0_ref is not None
+        else jnp.zeros(final_ref.shape, jnp.float32)
+    )
+    final_ref[...] = jax.lax.fori_loop(0, static.num_chunks, chunk, state)
+
+
+def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
+    """Runs the scan kernel on padded, preprocessed inputs.
+
+    x (B, Tp, H, Pp) and z (same, or None); dt, s (B, H, Tp) float32 (dt after softplus/clamp and
+    the in-chunk cumsum of dt * A); b, c (B, Tp, G, Np); seq (B, Tp) int32 or None; d (H, Pp)
+    float32 or None; h0 (B, H, Pp, Np) float32 or None. Tp is a multiple of the chunk
+    `static.block_t`, Pp and Np powers of two.
+
+    emit="output": returns (y, y_pre, final) with y (B, Tp, H, Pp) in x's dtype, y_pre the output
+    before the z gate (None without z) and final (B, H, Pp, Np) float32. emit="states": returns
+    (states, final), states (B, H, num_chunks, Pp, Np) float32, the state entering each chunk.
+    """
+    batch, t_pad, heads, p_pad = x.shape
+    n_pad = b.shape[-1]
+    bp = static.block_p
+    hpg = heads // b.shape[2]
+    grid = (p_pad // bp, heads, batch)
+    tokens = pl.BlockSpec((None, t_pad, None, bp), lambda p, h, i: (i, 0, h, p))
+    per_head = pl.BlockSpec((None, None, t_pad), lambda p, h, i: (i, h, 0))
+    group = pl.BlockSpec((None, t_pad, None, n_pad), lambda p, h, i: (i, 0, h // hpg, 0))
+    state_spec = pl.BlockSpec((None, None, bp, n_pad), lambda p, h, i: (i, h, p, 0))
+    in_specs = [tokens, per_head, per_head, group, group]
+    args = [x, dt, s, b, c]
+    if static.has_seq_idx:
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda p, h, i: (i, 0)))
+        args.append(seq)
+    if emit == "output" and static.has_d:
+        in_specs.append(pl.BlockSpec((None, bp), lambda p, h, i: (h, p)))
+        args.append(d)
+    if emit == "output" and static.has_z:
+        in_specs.append(tokens)
+        args.append(z)
+    if static.has_initial_states:
+        in_specs.append(state_spec)
+        args.append(h0)
+    final_shape = jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32)
+    if emit == "output":
+        y_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        out_specs = [tokens] + ([tokens] if static.has_z else []) + [state_spec]
+        out_shape = [y_shape] + ([y_shape] if static.has_z else []) + [final_shape]
+    else:
+        nc = static.num_chunks
+        out_specs = [
+            pl.BlockSpec((None, None, nc, bp, n_pad), lambda p, h, i: (i, h, 0, p, 0)),
+            state_spec,
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((batch, heads, nc, p_pad, n_pad), jnp.float32), final_shape
+        ]
+    outs = pl.pallas_call(
+        functools.partial(_forward_kernel, static=static, emit=emit),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
+        interpret=static.interpret,
+        name=f"ssd_forward_{emit}",
+    )(*args)
+    if emit == "output" and not static.has_z:
+        return outs[0], None, outs[1]
+    return tuple(outs)

@@ -1,0 +1,35 @@
+"""Chunk length, head-dim block, warps and stages of the SSD kernels, per GPU and state size.
+
+The SSD result does not depend on the chunk length (it only regroups the same sums), so the kernels
+use min(chunk_size, table's block_t): the table caps the chunk where the (Q, Q) decay tile would
+spill registers. AMD entries keep the tiles inside 64 KiB of LDS and use one stage.
+"""
+
+import dataclasses
+
+from pallas_kernels.attention.tuning import family
+
+
+@dataclasses.dataclass(frozen=True)
+class SSDBlocks:
+    block_t: int  # largest chunk the kernels process at once
+    block_p: int  # head-dim rows per program in the scan kernels
+    num_warps: int
+    num_stages: int
+
+
+# family -> [(largest padded state size N it covers, SSDBlocks)]. Estimates, not yet measured.
+_TABLE = {
+    "hopper": [(64, SSDBlocks(64, 64, 4, 2)), (256, SSDBlocks(64, 32, 4, 2))],
+    "ampere": [(64, SSDBlocks(64, 64, 4, 2)), (256, SSDBlocks(64, 32, 4, 2))],
+    "cdna": [(64, SSDBlocks(64, 32, 4, 1)), (256, SSDBlocks(32, 16, 4, 1))],
+    "fallback": [(64, SSDBlocks(64, 32, 4, 1)), (256, SSDBlocks(32, 16, 4, 1))],
+}
+
+
+def blocks_for(device_kind, state_size):
+    """The table's SSDBlocks for a device kind and a padded state size N <= 256."""
+    for max_n, blocks in _TABLE[family(device_kind)]:
+        if state_size <= max_n:
+            return blocks
+    raise ValueError(f"state size {state_size} is above the largest supported (256)")

@@ -1,0 +1,60 @@
+"""The SSD kernels compiled for a real GPU, at training sizes (run on the H200)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ssd_cases import loss_and_grads, make_inputs, rel_error
+
+import pallas_kernels
+from pallas_kernels.mamba2 import reference
+
+pytestmark = pytest.mark.gpu
+
+pallas = functools.partial(pallas_kernels.mamba_chunk_scan_combined, implementation="pallas")
+
+
+def _upcast(args):
+    return {k: v.astype(jnp.float32) if v is not None and v.dtype == jnp.bfloat16 else v
+            for k, v in args.items()}
+
+
+@pytest.mark.parametrize("groups,seq_idx", [(1, False), (8, True)])
+def test_bf16_against_float32_reference(groups, seq_idx):
+    args = make_inputs(1, b=2, t=4096, h=16, p=64, n=128, g=groups, d="h",
+                       dtype=jnp.bfloat16, seq_idx=seq_idx)
+    kw = dict(chunk_size=256, dt_softplus=True)
+    (y, final), grads = jax.jit(functools.partial(loss_and_grads, pallas, **kw))(args)
+    (y_ref, final_ref), grads_ref = jax.jit(functools.partial(
+        loss_and_grads, reference.mamba_chunk_scan_combined, **kw))(_upcast(args))
+    assert rel_error(y, y_ref) < 2e-2
+    assert rel_error(final, final_ref) < 2e-2
+    for name, grad in grads.items():
+        assert rel_error(grad, grads_ref[name]) < 3e-2, name
+
+
+def test_131072_tokens():
+    """Past mamba_ssm's int32 offset overflow (~61k tokens)."""
+    args = make_inputs(2, b=1, t=131072, h=4, p=64, n=64, g=1, d="h", dtype=jnp.bfloat16,
+                       z=False)
+    kw = dict(chunk_size=256, dt_softplus=True)
+    (y, final), grads = jax.jit(functools.partial(loss_and_grads, pallas, **kw))(args)
+    (y_ref, final_ref), grads_ref = jax.jit(functools.partial(
+        loss_and_grads, reference.mamba_chunk_scan_combined, **kw))(_upcast(args))
+    assert rel_error(y, y_ref) < 2e-2
+    assert rel_error(y[:, -1000:], y_ref[:, -1000:]) < 2e-2  # the tail, past 2**16 tokens
+    assert rel_error(final, final_ref) < 2e-2
+    for name, grad in grads.items():
+        assert rel_error(grad, grads_ref[name]) < 3e-2, name
+
+
+def test_extreme_decays_no_nan():
+    args = make_inputs(3, b=2, t=2048, h=8, p=64, n=64, g=2, d="h", dtype=jnp.bfloat16)
+    args["dt"] = jnp.full_like(args["dt"], 20.0).at[:, ::7].set(-30.0)
+    args["A"] = -jnp.geomspace(1e-3, 100.0, 8)
+    (y, final), grads = jax.jit(functools.partial(
+        loss_and_grads, pallas, chunk_size=256, dt_softplus=True))(args)
+    for value in (y, final, *grads.values()):
+        assert np.all(np.isfinite(np.asarray(value, np.float32)))
