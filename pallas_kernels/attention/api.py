@@ -71,7 +71,7 @@ def dot_product_attention(
     if not batched:
         query, key, value = (x[None] for x in (query, key, value))
     batch, t, n, h = query.shape
-    s, k_heads = key.shape[1], key.shape[2]
+    s = key.shape[1]
     segments = _check_segment_ids(q_segment_ids, kv_segment_ids, batch, t, s, batched)
     q_len = _check_lengths("query_seq_lengths", query_seq_lengths, batch, t, batched)
     kv_len = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, s, batched)
@@ -106,17 +106,10 @@ def dot_product_attention(
             logits_soft_cap=logits_soft_cap, return_residual=True,
         )
     else:
-        static = common.Static(
-            scale=scale,
-            band=band,
-            logits_soft_cap=logits_soft_cap,
-            groups=n // k_heads,
-            has_segments=segments is not None,
-            may_mask=True,  # set per padded shape in _pallas_attention
-            interpret=(not _compat.targets_gpu()) if interpret is None else interpret,
-        )
         out, lse = _pallas_attention(
-            query, key, value, segments, q_len, kv_len, static, block_sizes
+            query, key, value, segments, q_len, kv_len, block_sizes,
+            scale=scale, band=band, logits_soft_cap=logits_soft_cap,
+            interpret=(not _compat.targets_gpu()) if interpret is None else interpret,
         )
     if not batched:
         out, lse = out[0], lse[0]
@@ -237,21 +230,32 @@ def _pad_axis(x, axis, size):
     return jnp.pad(x, pad)
 
 
-def _pallas_attention(query, key, value, segments, q_len, kv_len, static, block_sizes):
+def _pallas_attention(
+    query, key, value, segments, q_len, kv_len, block_sizes, *, scale, band, logits_soft_cap,
+    interpret,
+):
     """Pads to whole blocks and a power-of-two head dim, runs the kernels, slices back."""
     batch, t, n, h = query.shape
-    s = key.shape[1]
+    s, k_heads = key.shape[1], key.shape[2]
     d_pad = tuning.padded_head_dim(h)
     if block_sizes is None:
         block_sizes = tuning.block_sizes_for(_compat.target_device()[0], d_pad)
     blocks = block_sizes.fit(t, s)
     t_pad = _round_up(t, max(b.block_q for b in (blocks.forward, blocks.dkv, blocks.dq)))
     s_pad = _round_up(s, max(b.block_k for b in (blocks.forward, blocks.dkv, blocks.dq)))
-    may_mask = (
-        static.band != (None, None) or segments is not None or q_len is not None
-        or kv_len is not None or t_pad != t or s_pad != s
+    static = common.Static(
+        scale=scale,
+        band=band,
+        logits_soft_cap=logits_soft_cap,
+        groups=n // k_heads,
+        has_segments=segments is not None,
+        may_mask=(
+            band != (None, None) or segments is not None or q_len is not None
+            or kv_len is not None or t_pad != t or s_pad != s
+        ),
+        interpret=interpret,
     )
-    config = _Config(dataclasses.replace(static, may_mask=may_mask), blocks, (batch, t, s))
+    config = _Config(static, blocks, (batch, t, s))
 
     q = _pad_axis(_pad_axis(query, 3, d_pad), 1, t_pad)
     k = _pad_axis(_pad_axis(key, 3, d_pad), 1, s_pad)
