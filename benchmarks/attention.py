@@ -36,15 +36,13 @@ import functools
 import importlib
 import json
 import math
-import sys
-import time
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import _timing
+from benchmarks import _harness, _timing
 
 TOKENS_PER_BATCH = 16384
 HIDDEN = 2048
@@ -54,10 +52,10 @@ SWEEP = [
     (128, 16384), (128, 32768), (256, 2048), (256, 8192),
 ]
 QUICK_SHAPE = dict(batch=2, seq_len=256, heads=2, head_dim=64)
-MODES = ("fwd", "fwdbwd")
 FWDBWD_FLOP_FACTOR = 3.5
 REFERENCE_ROWS = 256
-REL_ERR_TOLERANCE = 2e-2
+# The record field that --metric shows in the tables and plot.
+METRIC_FIELDS = {"per_call": "tflops", "amortised": "tflops_amortised"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +79,6 @@ class Shape:
         if self.causal:
             forward /= 2
         return forward * (FWDBWD_FLOP_FACTOR if mode == "fwdbwd" else 1)
-
-
-class SkippedError(Exception):
-    """An implementation deliberately not run at a shape (recorded as 'skipped')."""
 
 
 # --- JAX implementations: each builds attn(q, k, v) -> out for a shape, layout (B, T, N, H). ---
@@ -127,7 +121,7 @@ def build_jax_cudnn(shape, opts):
 def build_jax_xla(shape, opts):
     logits_gib = 4 * shape.batch * shape.heads * shape.seq_len**2 / 2**30
     if logits_gib > opts.xla_max_logits_gib:
-        raise SkippedError(
+        raise _harness.SkippedError(
             f"float32 logits would take {logits_gib:.0f} GiB > {opts.xla_max_logits_gib} GiB"
         )
     return functools.partial(
@@ -199,10 +193,11 @@ def reference_tail(q, k, v, *, causal, rows):
     return jnp.einsum("nqk,knh->qnh", jax.nn.softmax(logits, axis=-1), v0, precision=hi)
 
 
-def relative_error(out_tail, reference):
-    """max |out - ref| / max |ref| over the reference rows."""
-    out_tail = np.asarray(out_tail, np.float32)
-    return float(np.max(np.abs(out_tail - reference)) / np.max(np.abs(reference)))
+def inputs_and_reference(shape, seed):
+    """make_inputs and the reference_tail of up to REFERENCE_ROWS rows, as numpy."""
+    inputs = make_inputs(shape, seed)
+    rows = min(REFERENCE_ROWS, shape.seq_len)
+    return inputs, np.asarray(reference_tail(*inputs[:3], causal=shape.causal, rows=rows))
 
 
 # --- Measurements. ---
@@ -219,27 +214,17 @@ def measure_jax(attn, shape, mode, inputs, reference, opts):
             return (out, *vjp(dout))
 
         args = (q, k, v, dout)
-    start = time.perf_counter()
-    compiled = jax.jit(step).lower(*args).compile()
-    result = {"compile_s": time.perf_counter() - start}
-    memory = compiled.memory_analysis()
-    if memory is not None:
-        result["temp_bytes"] = int(memory.temp_size_in_bytes)
+    forward_error = None
     if mode == "fwd":
-        result["fwd_rel_err"] = relative_error(compiled(*args)[0, -reference.shape[0]:], reference)
-    return result, _timing.time_jax(compiled, args, iters=opts.iters, warmup=opts.warmup)
 
+        def forward_error(out):
+            return _harness.relative_error(out[0, -reference.shape[0]:], reference)
 
-def import_torch_cuda():
-    import torch
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("torch sees no CUDA device")
-    return torch
+    return _harness.measure_jax(step, args, opts, forward_error)
 
 
 def measure_torch(backend_name, shape, mode, inputs, reference, opts):
-    torch = import_torch_cuda()
+    torch = _harness.import_torch_cuda()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, backend_name)
@@ -259,7 +244,7 @@ def measure_torch(backend_name, shape, mode, inputs, reference, opts):
     result = {}
     if mode == "fwd":
         out_tail = forward()[0, :, -reference.shape[0]:].transpose(0, 1)
-        result["fwd_rel_err"] = relative_error(out_tail.float().cpu().numpy(), reference)
+        result["fwd_rel_err"] = _harness.relative_error(out_tail.float().cpu().numpy(), reference)
         step = forward
     else:
         for x in (q, k, v):
@@ -271,97 +256,61 @@ def measure_torch(backend_name, shape, mode, inputs, reference, opts):
     return result, _timing.time_torch(step, iters=opts.iters, warmup=opts.warmup)
 
 
-def release_torch_memory():
-    """Hands torch's cached GPU memory back to the device (JAX may need it), if torch is in use."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
 def run_one(impl, shape, mode, inputs, reference, opts):
-    """One measurement as a flat record; never raises (short of KeyboardInterrupt)."""
-    record = {**dataclasses.asdict(shape), "label": shape.label, "impl": impl, "mode": mode,
-              "flops": shape.flops(mode)}
-    try:
-        if impl in TORCH_IMPLS:
-            result, timing = measure_torch(TORCH_IMPLS[impl], shape, mode, inputs, reference, opts)
-        else:
+    """One measurement as a flat record, with FLOPs and TFLOP/s; never raises."""
+    record = {**_harness.base_record(shape, impl, mode), "flops": shape.flops(mode)}
+    if impl in TORCH_IMPLS:
+        measure = functools.partial(
+            measure_torch, TORCH_IMPLS[impl], shape, mode, inputs, reference, opts
+        )
+    else:
+
+        def measure():
             attn = JAX_IMPLS[impl](shape, opts)
-            result, timing = measure_jax(attn, shape, mode, inputs, reference, opts)
-    except SkippedError as e:
-        return {**record, "status": "skipped", "error": str(e)}
-    except Exception as e:  # any failure is a result to record
-        return {**record, "status": "error", "error": f"{type(e).__name__}: {e}"}
-    finally:
-        if impl in TORCH_IMPLS:
-            release_torch_memory()
-    return {
-        **record, **result, "status": "ok",
-        "ms": timing.median_ms, "ms_min": timing.min_ms, "ms_max": timing.max_ms,
-        "ms_amortised": timing.amortised_ms, "iters": timing.iters,
-        "tflops": _timing.tflops(record["flops"], timing.median_ms),
-        "tflops_amortised": _timing.tflops(record["flops"], timing.amortised_ms),
-    }
+            return measure_jax(attn, shape, mode, inputs, reference, opts)
+
+    record = _harness.measured_record(record, measure, uses_torch=impl in TORCH_IMPLS)
+    if record["status"] == "ok":
+        record["tflops"] = _timing.tflops(record["flops"], record["ms"])
+        record["tflops_amortised"] = _timing.tflops(record["flops"], record["ms_amortised"])
+    return record
 
 
 def progress_line(index, total, record):
-    head = f"[{index}/{total}] {record['label']:<18} {record['impl']:<15} {record['mode']:<6}"
-    if record["status"] != "ok":
-        return f"{head} {record['status']}: {record['error'].splitlines()[0][:160]}"
-    line = (f"{head} {record['ms']:9.3f} ms {record['tflops']:6.1f} TFLOP/s "
-            f"(amortised {record['tflops_amortised']:6.1f})")
-    if "compile_s" in record:
-        line += f" compile {record['compile_s']:.1f}s"
-    if "fwd_rel_err" in record:
-        line += f" rel_err {record['fwd_rel_err']:.1e}"
-    return line
+    """The line printed after a measurement: ms, TFLOP/s and the checks."""
+    return _harness.format_progress(
+        index, total, record, label_width=18, impl_width=15, show_temp=False,
+        timing_text=lambda r: (f"{r['ms']:9.3f} ms {r['tflops']:6.1f} TFLOP/s "
+                               f"(amortised {r['tflops_amortised']:6.1f})"),
+    )
 
 
 # --- Reports. ---
 
 
-def metric_of(record, metric):
-    if record is None or record["status"] != "ok":
-        return None
-    return record["tflops" if metric == "per_call" else "tflops_amortised"]
-
-
-def index_records(records):
-    return {(r["label"], r["impl"], r["mode"]): r for r in records}
-
-
-def cell_text(record, metric):
-    if record is None:
-        return "-"
-    if record["status"] != "ok":
-        return "skip" if record["status"] == "skipped" else "err"
-    flag = "!" if record.get("fwd_rel_err", 0.0) > REL_ERR_TOLERANCE else ""
-    return f"{metric_of(record, metric):.3g}{flag}"
-
-
 def results_table(records, labels, impls, metric):
-    by_key = index_records(records)
-    rows = [
-        [label, *(" / ".join(cell_text(by_key.get((label, impl, mode)), metric) for mode in MODES)
-                  for impl in impls)]
-        for label in labels
-    ]
-    legend = (f"TFLOP/s ({metric.replace('_', '-')}), cells fwd / fwdbwd; err: failed, skip: "
-              f"skipped (JSON has why); !: fwd output off the reference by > {REL_ERR_TOLERANCE}")
+    by_key = _harness.index_records(records)
+    field = METRIC_FIELDS[metric]
+    rows = [[label, *(_harness.mode_cells(by_key, label, impl, field) for impl in impls)]
+            for label in labels]
+    legend = (f"TFLOP/s ({_harness.metric_text(metric)}), cells fwd / fwdbwd; err: failed, skip: "
+              f"skipped (JSON has why); !: fwd output off the reference by > "
+              f"{_harness.REL_ERR_TOLERANCE}")
     return legend + "\n" + _timing.format_table(["shape", *impls], rows)
 
 
 def ratio_summary(records, labels, metric):
     """ours' fwd+bwd TFLOP/s, its speed relative to two baselines, and its XLA temp memory."""
-    by_key = index_records(records)
+    by_key = _harness.index_records(records)
+    field = METRIC_FIELDS[metric]
     baselines = ["tokamax_triton", "torch_flash"]
     rows = []
     for label in labels:
         ours = by_key.get((label, "ours", "fwdbwd"))
-        ours_tf = metric_of(ours, metric)
+        ours_tf = _harness.metric_value(ours, field)
         row = [label, "-" if ours_tf is None else f"{ours_tf:.3g}"]
         for name in baselines:
-            theirs = metric_of(by_key.get((label, name, "fwdbwd")), metric)
+            theirs = _harness.metric_value(by_key.get((label, name, "fwdbwd")), field)
             row.append("-" if None in (ours_tf, theirs) else f"{ours_tf / theirs:.2f}x")
         temp = None if ours is None else ours.get("temp_bytes")
         row.append("-" if temp is None else f"{temp / 2**20:.0f}")
@@ -371,15 +320,12 @@ def ratio_summary(records, labels, metric):
 
 
 def save_plot(path, records, labels, impls, metric, device_kind):
-    by_key = index_records(records)
-    panels = [
-        (title, {impl: [metric_of(by_key.get((label, impl, mode)), metric) for label in labels]
-                 for impl in impls})
-        for mode, title in (("fwdbwd", "forward + backward"), ("fwd", "forward"))
-        if any(r["mode"] == mode for r in records)
-    ]
+    panels = _harness.plot_panels(
+        records, labels, impls, METRIC_FIELDS[metric],
+        (("fwdbwd", "forward + backward"), ("fwd", "forward")),
+    )
     _timing.save_grouped_bar_plot(
-        path, labels, panels, ylabel=f"TFLOP/s ({metric.replace('_', '-')})",
+        path, labels, panels, ylabel=f"TFLOP/s ({_harness.metric_text(metric)})",
         title=f"attention, bf16, {device_kind}",
     )
 
@@ -387,47 +333,31 @@ def save_plot(path, records, labels, impls, metric, device_kind):
 # --- Command line. ---
 
 
-def comma_list(item_type):
-    return lambda text: [item_type(item) for item in text.split(",") if item]
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.attention", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--head-dims", type=comma_list(int), help="e.g. 64,128 (default: all)")
-    parser.add_argument("--seq-lens", type=comma_list(int), help="e.g. 2048,8192 (default: all)")
+    parser.add_argument("--head-dims", type=_harness.comma_list(int),
+                        help="e.g. 64,128 (default: all)")
+    parser.add_argument("--seq-lens", type=_harness.comma_list(int),
+                        help="e.g. 2048,8192 (default: all)")
     parser.add_argument("--causal", choices=["both", "causal", "full"], default="both")
-    parser.add_argument("--impls", type=comma_list(str), default=DEFAULT_IMPLS,
-                        help=f"of {','.join([*JAX_IMPLS, *TORCH_IMPLS])} "
-                             f"(default: {','.join(DEFAULT_IMPLS)})")
-    parser.add_argument("--modes", type=comma_list(str), default=list(MODES), help="fwd,fwdbwd")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke test: one tiny shape {QUICK_SHAPE}, 3 iterations")
-    parser.add_argument("--interpret", action="store_true",
-                        help="run Pallas kernels (ours, jax_pallas_mha) in interpret mode (CPU)")
+    _harness.add_selection_arguments(
+        parser, default_impls=DEFAULT_IMPLS,
+        impls_help=f"of {','.join([*JAX_IMPLS, *TORCH_IMPLS])} "
+                   f"(default: {','.join(DEFAULT_IMPLS)})",
+        quick_help=f"smoke test: one tiny shape {QUICK_SHAPE}, 3 iterations",
+        interpret_help="run Pallas kernels (ours, jax_pallas_mha) in interpret mode (CPU)",
+    )
     parser.add_argument("--block-sizes", type=json.loads,
                         help="JSON overriding ours' tuned block sizes, e.g. "
                              '\'{"forward": {"block_q": 128, "block_k": 64}}\'')
-    parser.add_argument("--iters", type=int, default=30, help="timed calls per measurement")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls after compiling")
-    parser.add_argument("--metric", choices=["per_call", "amortised"], default="per_call",
-                        help="timing shown in the table and plot (the JSON has both)")
+    _harness.add_timing_arguments(parser, warmup_help="untimed calls after compiling")
     parser.add_argument("--xla-max-logits-gib", type=float, default=16.0,
                         help="skip jax_xla where float32 logits would exceed this")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", default="benchmarks/results")
-    parser.add_argument("--tag", default=time.strftime("%Y%m%d_%H%M%S"),
-                        help="file names: attention_{tag}.json/.png")
+    _harness.add_output_arguments(parser, "attention")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.impls) - set(JAX_IMPLS) - set(TORCH_IMPLS))
-    if unknown:
-        parser.error(f"unknown implementations: {','.join(unknown)}")
-    if not set(args.modes) <= set(MODES):
-        parser.error(f"modes must be among {','.join(MODES)}, got {','.join(args.modes)}")
-    args.modes = [mode for mode in MODES if mode in args.modes]
-    if args.quick:
-        args.iters, args.warmup = 3, 1
+    _harness.check_common_arguments(parser, args, [*JAX_IMPLS, *TORCH_IMPLS])
     return args
 
 
@@ -451,33 +381,10 @@ def main(argv=None):
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     shapes = build_sweep(args)
     environment = _timing.environment_info("benchmarks.attention")
-    config = {k: v for k, v in vars(args).items() if k not in ("out_dir", "tag")}
-    json_path = os.path.join(args.out_dir, f"attention_{args.tag}.json")
-    png_path = os.path.join(args.out_dir, f"attention_{args.tag}.png")
-    print(f"{environment['device_kind']}, jax {environment['versions']['jax']}: "
-          f"{len(shapes)} shapes x {len(args.impls)} implementations x {len(args.modes)} modes",
-          flush=True)
-
-    records = []
-    total = len(shapes) * len(args.impls) * len(args.modes)
-    for shape_index, shape in enumerate(shapes):
-        inputs = make_inputs(shape, args.seed + shape_index)
-        rows = min(REFERENCE_ROWS, shape.seq_len)
-        reference = np.asarray(reference_tail(*inputs[:3], causal=shape.causal, rows=rows))
-        for impl in args.impls:
-            for mode in args.modes:
-                record = run_one(impl, shape, mode, inputs, reference, args)
-                records.append(record)
-                print(progress_line(len(records), total, record), flush=True)
-        del inputs
-        jax.clear_caches()
-        labels = [s.label for s in shapes[: shape_index + 1]]
-        _timing.write_json(
-            json_path, {"environment": environment, "config": config, "results": records}
-        )
-        save_plot(png_path, records, labels, args.impls, args.metric,
-                  environment["device_kind"])
-
+    records, json_path, png_path = _harness.run_sweep(
+        "attention", shapes, environment, args, inputs_and_reference=inputs_and_reference,
+        run_one=run_one, progress_line=progress_line, save_plot=save_plot,
+    )
     labels = [shape.label for shape in shapes]
     print(f"\nwrote {json_path} and {png_path}\n")
     if "ours" in args.impls and "fwdbwd" in args.modes:

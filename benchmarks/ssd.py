@@ -52,15 +52,13 @@ import dataclasses
 import functools
 import json
 import math
-import sys
-import time
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import _timing
+from benchmarks import _harness, _timing
 
 TOKENS_PER_BATCH = 16384
 HEADS = 80
@@ -71,11 +69,11 @@ SEQ_LENS = (4096, 8192)
 CHUNKS = (256, 64)
 QUICK_SHAPE = dict(batch=1, seq_len=64, heads=4, head_dim=16, state=16, groups=1)
 QUICK_CHUNKS = (16, 32)
-MODES = ("fwd", "fwdbwd")
 IMPLS = ("ours", "jnp_ref", "mamba_ssm")
 DT_RANGE = (0.001, 0.1)
 A_MAGNITUDE_RANGE = (1.0, 16.0)
-REL_ERR_TOLERANCE = 2e-2
+# The record field that --metric shows in the tables and plot.
+METRIC_FIELDS = {"per_call": "ms", "amortised": "ms_amortised"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,10 +155,10 @@ def reference_row0(x, dt, A, B, C, D, dt_bias, *, chunk):
     return y[0]
 
 
-def relative_error(out, reference):
-    """max |out - ref| / max |ref|."""
-    out = np.asarray(out, np.float32)
-    return float(np.max(np.abs(out - reference)) / np.max(np.abs(reference)))
+def inputs_and_reference(shape, seed):
+    """make_inputs and the reference_row0, as numpy."""
+    inputs = make_inputs(shape, seed)
+    return inputs, np.asarray(reference_row0(*inputs[:-1], chunk=shape.chunk))
 
 
 # --- Measurements. ---
@@ -177,27 +175,17 @@ def measure_jax(ssd, shape, mode, inputs, reference, opts):
             return (y, *vjp(args_and_dy[-1]))
 
         args = (*args, dy)
-    start = time.perf_counter()
-    compiled = jax.jit(step).lower(*args).compile()
-    result = {"compile_s": time.perf_counter() - start}
-    memory = compiled.memory_analysis()
-    if memory is not None:
-        result["temp_bytes"] = int(memory.temp_size_in_bytes)
+    forward_error = None
     if mode == "fwd":
-        result["fwd_rel_err"] = relative_error(compiled(*args)[0], reference)
-    return result, _timing.time_jax(compiled, args, iters=opts.iters, warmup=opts.warmup)
 
+        def forward_error(y):
+            return _harness.relative_error(y[0], reference)
 
-def import_torch_cuda():
-    import torch
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("torch sees no CUDA device")
-    return torch
+    return _harness.measure_jax(step, args, opts, forward_error)
 
 
 def measure_mamba_ssm(shape, mode, inputs, reference, opts):
-    torch = import_torch_cuda()
+    torch = _harness.import_torch_cuda()
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
     dtypes = {jnp.dtype(jnp.bfloat16): torch.bfloat16, jnp.dtype(jnp.float32): torch.float32}
@@ -214,7 +202,9 @@ def measure_mamba_ssm(shape, mode, inputs, reference, opts):
 
     result = {}
     if mode == "fwd":
-        result["fwd_rel_err"] = relative_error(forward()[0].float().cpu().numpy(), reference)
+        result["fwd_rel_err"] = _harness.relative_error(
+            forward()[0].float().cpu().numpy(), reference
+        )
         step = forward
     else:
         leaves = (x, dt, A, B, C, D, dt_bias)
@@ -227,75 +217,37 @@ def measure_mamba_ssm(shape, mode, inputs, reference, opts):
     return result, _timing.time_torch(step, iters=opts.iters, warmup=opts.warmup)
 
 
-def release_torch_memory():
-    """Hands torch's cached GPU memory back to the device (JAX may need it), if torch is in use."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
 def run_one(impl, shape, mode, inputs, reference, opts):
     """One measurement as a flat record; never raises (short of KeyboardInterrupt)."""
-    record = {**dataclasses.asdict(shape), "label": shape.label, "impl": impl, "mode": mode}
-    try:
-        if impl == "mamba_ssm":
-            result, timing = measure_mamba_ssm(shape, mode, inputs, reference, opts)
-        else:
+    if impl == "mamba_ssm":
+        measure = functools.partial(measure_mamba_ssm, shape, mode, inputs, reference, opts)
+    else:
+
+        def measure():
             ssd = JAX_IMPLS[impl](shape, opts)
-            result, timing = measure_jax(ssd, shape, mode, inputs, reference, opts)
-    except Exception as e:  # any failure is a result to record
-        return {**record, "status": "error", "error": f"{type(e).__name__}: {e}"}
-    finally:
-        if impl == "mamba_ssm":
-            release_torch_memory()
-    return {
-        **record, **result, "status": "ok",
-        "ms": timing.median_ms, "ms_min": timing.min_ms, "ms_max": timing.max_ms,
-        "ms_amortised": timing.amortised_ms, "iters": timing.iters,
-    }
+            return measure_jax(ssd, shape, mode, inputs, reference, opts)
+
+    return _harness.measured_record(
+        _harness.base_record(shape, impl, mode), measure, uses_torch=impl == "mamba_ssm"
+    )
 
 
 def progress_line(index, total, record):
-    head = f"[{index}/{total}] {record['label']:<22} {record['impl']:<9} {record['mode']:<6}"
-    if record["status"] != "ok":
-        return f"{head} {record['status']}: {record['error'].splitlines()[0][:160]}"
-    line = f"{head} {record['ms']:9.3f} ms (amortised {record['ms_amortised']:9.3f})"
-    if "compile_s" in record:
-        line += f" compile {record['compile_s']:.1f}s"
-    if "temp_bytes" in record:
-        line += f" temp {record['temp_bytes'] / 2**20:.0f} MiB"
-    if "fwd_rel_err" in record:
-        line += f" rel_err {record['fwd_rel_err']:.1e}"
-    return line
+    """The line printed after a measurement: ms, XLA temp memory and the checks."""
+    return _harness.format_progress(
+        index, total, record, label_width=22, impl_width=9, show_temp=True,
+        timing_text=lambda r: f"{r['ms']:9.3f} ms (amortised {r['ms_amortised']:9.3f})",
+    )
 
 
 # --- Reports. ---
 
 
-def metric_of(record, metric):
-    if record is None or record["status"] != "ok":
-        return None
-    return record["ms" if metric == "per_call" else "ms_amortised"]
-
-
-def index_records(records):
-    return {(r["label"], r["impl"], r["mode"]): r for r in records}
-
-
-def cell_text(record, metric):
-    if record is None:
-        return "-"
-    if record["status"] != "ok":
-        return "err"
-    flag = "!" if record.get("fwd_rel_err", 0.0) > REL_ERR_TOLERANCE else ""
-    return f"{metric_of(record, metric):.3g}{flag}"
-
-
-def ratio_text(by_key, label, numerator, denominator, metric):
+def ratio_text(by_key, label, numerator, denominator, field):
     cells = []
-    for mode in MODES:
-        top = metric_of(by_key.get((label, numerator, mode)), metric)
-        bottom = metric_of(by_key.get((label, denominator, mode)), metric)
+    for mode in _harness.MODES:
+        top = _harness.metric_value(by_key.get((label, numerator, mode)), field)
+        bottom = _harness.metric_value(by_key.get((label, denominator, mode)), field)
         cells.append("-" if None in (top, bottom) else f"{top / bottom:.2f}")
     return " / ".join(cells)
 
@@ -306,25 +258,25 @@ RATIOS = (("ours", "mamba_ssm"), ("jnp_ref", "ours"))
 
 
 def results_table(records, labels, impls, metric):
-    by_key = index_records(records)
+    by_key = _harness.index_records(records)
+    field = METRIC_FIELDS[metric]
     ratios = [(a, b) for a, b in RATIOS if a in impls and b in impls]
     rows = [
         [label,
-         *(" / ".join(cell_text(by_key.get((label, impl, mode)), metric) for mode in MODES)
-           for impl in impls),
-         *(ratio_text(by_key, label, a, b, metric) for a, b in ratios)]
+         *(_harness.mode_cells(by_key, label, impl, field) for impl in impls),
+         *(ratio_text(by_key, label, a, b, field) for a, b in ratios)]
         for label in labels
     ]
-    legend = (f"ms ({metric.replace('_', '-')}), cells fwd / fwdbwd; err: failed (JSON has why); "
-              f"!: fwd output off the reference by > {REL_ERR_TOLERANCE}; ratios of ms "
-              "(ours/mamba_ssm < 1 and jnp_ref/ours > 1: ours faster)")
+    legend = (f"ms ({_harness.metric_text(metric)}), cells fwd / fwdbwd; err: failed (JSON has "
+              f"why); !: fwd output off the reference by > {_harness.REL_ERR_TOLERANCE}; ratios "
+              "of ms (ours/mamba_ssm < 1 and jnp_ref/ours > 1: ours faster)")
     header = ["shape", *impls, *(f"{a}/{b}" for a, b in ratios)]
     return legend + "\n" + _timing.format_table(header, rows)
 
 
 def accuracy_memory_table(records, labels, impls):
     """Forward relative error of each implementation, and XLA temp memory of the JAX ones."""
-    by_key = index_records(records)
+    by_key = _harness.index_records(records)
     jax_impls = [impl for impl in impls if impl in JAX_IMPLS]
     rows = []
     for label in labels:
@@ -335,7 +287,7 @@ def accuracy_memory_table(records, labels, impls):
             row.append("-" if err is None else f"{err:.1e}")
         for impl in jax_impls:
             cells = []
-            for mode in MODES:
+            for mode in _harness.MODES:
                 record = by_key.get((label, impl, mode))
                 temp = None if record is None else record.get("temp_bytes")
                 cells.append("-" if temp is None else f"{temp / 2**20:.0f}")
@@ -349,17 +301,14 @@ def accuracy_memory_table(records, labels, impls):
 
 
 def save_plot(path, records, labels, impls, metric, device_kind):
-    by_key = index_records(records)
-    panels = [
-        (title, {impl: [metric_of(by_key.get((label, impl, mode)), metric) for label in labels]
-                 for impl in impls})
-        for mode, title in (("fwd", "forward"), ("fwdbwd", "forward + backward"))
-        if any(r["mode"] == mode for r in records)
-    ]
+    panels = _harness.plot_panels(
+        records, labels, impls, METRIC_FIELDS[metric],
+        (("fwd", "forward"), ("fwdbwd", "forward + backward")),
+    )
     sizes = sorted({(r["heads"], r["head_dim"], r["batch"] * r["seq_len"]) for r in records})
     size_text = ", ".join(f"H{h} P{p} {tokens} tokens" for h, p, tokens in sizes)
     _timing.save_grouped_bar_plot(
-        path, labels, panels, ylabel=f"ms ({metric.replace('_', '-')}), lower is better",
+        path, labels, panels, ylabel=f"ms ({_harness.metric_text(metric)}), lower is better",
         title=f"Mamba2 SSD, bf16, {size_text} per batch, {device_kind}",
     )
 
@@ -381,11 +330,10 @@ def merge(args):
                         "config": payload.get("config")})
         records.extend(payload["results"])
     # A (shape, implementation, mode) measured in several files: the last file's record counts.
-    records = list(index_records(records).values())
+    records = list(_harness.index_records(records).values())
     impls = [impl for impl in IMPLS if any(r["impl"] == impl for r in records)]
     device_kind = (sources[0]["environment"] or {}).get("device_kind", "unknown device")
-    json_path = os.path.join(args.out_dir, f"ssd_{args.tag}.json")
-    png_path = os.path.join(args.out_dir, f"ssd_{args.tag}.png")
+    json_path, png_path = _harness.output_paths(args.out_dir, "ssd", args.tag)
     _timing.write_json(json_path, {"merged_from": sources, "results": records})
     labels = list(dict.fromkeys(r["label"] for r in records))
     save_plot(png_path, records, labels, impls, args.metric, device_kind)
@@ -395,55 +343,37 @@ def merge(args):
 # --- Command line. ---
 
 
-def comma_list(item_type):
-    return lambda text: [item_type(item) for item in text.split(",") if item]
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.ssd", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--states", type=comma_list(int),
+    parser.add_argument("--states", type=_harness.comma_list(int),
                         help=f"state sizes N, e.g. 64 (default: {','.join(map(str, STATES))})")
-    parser.add_argument("--groups", type=comma_list(int),
+    parser.add_argument("--groups", type=_harness.comma_list(int),
                         help=f"groups G of B and C (default: {','.join(map(str, GROUPS))})")
-    parser.add_argument("--seq-lens", type=comma_list(int),
+    parser.add_argument("--seq-lens", type=_harness.comma_list(int),
                         help=f"T, with b = {TOKENS_PER_BATCH} // T "
                              f"(default: {','.join(map(str, SEQ_LENS))})")
-    parser.add_argument("--chunks", type=comma_list(int),
+    parser.add_argument("--chunks", type=_harness.comma_list(int),
                         help=f"chunk sizes (default: {','.join(map(str, CHUNKS))}; with --quick "
                              f"{','.join(map(str, QUICK_CHUNKS))})")
-    parser.add_argument("--impls", type=comma_list(str), default=list(IMPLS),
-                        help=f"of {','.join(IMPLS)} (default: all)")
-    parser.add_argument("--modes", type=comma_list(str), default=list(MODES), help="fwd,fwdbwd")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke test: tiny shapes {QUICK_SHAPE}, 3 iterations")
-    parser.add_argument("--interpret", action="store_true",
-                        help="run ours' Pallas kernels in interpret mode (CPU)")
-    parser.add_argument("--iters", type=int, default=30, help="timed calls per measurement")
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="untimed calls after compiling (mamba_ssm autotunes in the first)")
-    parser.add_argument("--metric", choices=["per_call", "amortised"], default="per_call",
-                        help="timing shown in the table and plot (the JSON has both)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", default="benchmarks/results")
-    parser.add_argument("--tag", default=time.strftime("%Y%m%d_%H%M%S"),
-                        help="file names: ssd_{tag}.json/.png")
+    _harness.add_selection_arguments(
+        parser, default_impls=IMPLS, impls_help=f"of {','.join(IMPLS)} (default: all)",
+        quick_help=f"smoke test: tiny shapes {QUICK_SHAPE}, 3 iterations",
+        interpret_help="run ours' Pallas kernels in interpret mode (CPU)",
+    )
+    _harness.add_timing_arguments(
+        parser, warmup_help="untimed calls after compiling (mamba_ssm autotunes in the first)"
+    )
+    _harness.add_output_arguments(parser, "ssd")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="combine these results files (the last wins where they overlap) "
                              "into ssd_{tag}.json/.png and the tables, measuring nothing")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.impls) - set(IMPLS))
-    if unknown:
-        parser.error(f"unknown implementations: {','.join(unknown)}")
-    if not set(args.modes) <= set(MODES):
-        parser.error(f"modes must be among {','.join(MODES)}, got {','.join(args.modes)}")
-    args.modes = [mode for mode in MODES if mode in args.modes]
+    _harness.check_common_arguments(parser, args, IMPLS)
     bad_chunks = [c for c in args.chunks or () if c < 1 or c & (c - 1)]
     if bad_chunks:
         parser.error(f"chunk sizes must be powers of two, got {bad_chunks}")
-    if args.quick:
-        args.iters, args.warmup = 3, 1
     return args
 
 
@@ -473,32 +403,10 @@ def main(argv=None):
     environment = _timing.environment_info("benchmarks.ssd")
     # mamba_ssm is extracted, not installed (peers_setup.sh), so its version is the sdist's name.
     environment["mamba_ssm_sdist"] = os.environ.get("PEERS_MAMBA_SSM")
-    config = {k: v for k, v in vars(args).items() if k not in ("out_dir", "tag", "merge")}
-    json_path = os.path.join(args.out_dir, f"ssd_{args.tag}.json")
-    png_path = os.path.join(args.out_dir, f"ssd_{args.tag}.png")
-    print(f"{environment['device_kind']}, jax {environment['versions']['jax']}: "
-          f"{len(shapes)} shapes x {len(args.impls)} implementations x {len(args.modes)} modes",
-          flush=True)
-
-    records = []
-    total = len(shapes) * len(args.impls) * len(args.modes)
-    for shape_index, shape in enumerate(shapes):
-        inputs = make_inputs(shape, args.seed + shape_index)
-        reference = np.asarray(reference_row0(*inputs[:-1], chunk=shape.chunk))
-        for impl in args.impls:
-            for mode in args.modes:
-                record = run_one(impl, shape, mode, inputs, reference, args)
-                records.append(record)
-                print(progress_line(len(records), total, record), flush=True)
-        del inputs
-        jax.clear_caches()
-        labels = [s.label for s in shapes[: shape_index + 1]]
-        _timing.write_json(
-            json_path, {"environment": environment, "config": config, "results": records}
-        )
-        save_plot(png_path, records, labels, args.impls, args.metric,
-                  environment["device_kind"])
-
+    records, json_path, png_path = _harness.run_sweep(
+        "ssd", shapes, environment, args, inputs_and_reference=inputs_and_reference,
+        run_one=run_one, progress_line=progress_line, save_plot=save_plot,
+    )
     report(records, args.impls, args.metric, json_path, png_path)
 
 
