@@ -1,0 +1,252 @@
+"""Flax NNX attention on the FlashAttention kernels.
+
+* `flash_attention_fn`: a drop-in `attention_fn` for `nnx.MultiHeadAttention` and
+  `linen.MultiHeadDotProductAttention`.
+* `FlashMultiHeadAttention`: `nnx.MultiHeadAttention`'s projections with GQA, rotary embeddings,
+  causal / local / soft-capped attention, packed segments and a KV cache for decoding.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from pallas_kernels.attention import masking
+
+_WARNED = set()
+DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
+
+
+def _warn_once(reason):
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(
+            f"flash_attention_fn: {reason} is not supported by the FlashAttention kernel; "
+            "falling back to flax's dot_product_attention (quadratic memory).",
+            stacklevel=3,
+        )
+
+
+def flash_attention_fn(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    broadcast_dropout=True,
+    dropout_rng=None,
+    dropout_rate=0.0,
+    deterministic=False,
+    dtype=None,
+    precision=None,
+    module=None,
+    is_causal=False,
+):
+    """FlashAttention with flax's `attention_fn` signature (every parameter named: Linen passes
+    only those in the signature).
+
+    query (..., T, N, H), key/value (..., S, K, H) with N % K == 0. Without a mask, bias, active
+    dropout or a module to sow weights into, it runs `pallas_kernels.dot_product_attention`
+    (causal when `is_causal`); otherwise it falls back to `flax.nnx.dot_product_attention` and
+    warns once per reason. Returns (..., T, N, H).
+    """
+    dropout_active = dropout_rate > 0.0 and not deterministic
+    reason = (
+        "a dense mask" if mask is not None
+        else "a bias" if bias is not None
+        else "dropout" if dropout_active
+        else "sow_weights (module)" if module is not None
+        else None
+    )
+    if reason is not None:
+        _warn_once(reason)
+        return nnx.dot_product_attention(
+            query, key, value, bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
+            dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
+            dtype=dtype, precision=precision, module=module, is_causal=is_causal,
+        )
+    if dtype is not None:
+        query, key, value = (x.astype(dtype) for x in (query, key, value))
+    batch_shape = query.shape[:-3]
+    flat = [x.reshape(-1, *x.shape[-3:]) for x in (query, key, value)]
+    out = pallas_kernels.dot_product_attention(*flat, is_causal=is_causal)
+    return out.reshape(*batch_shape, *out.shape[-3:])
+
+
+def rotary_embedding(x, positions, theta):
+    """Rotates (..., T, heads, H) by positions (..., T): pairs (i, i + H/2), frequencies
+    theta^(-2i/H) (the "rotate half" convention)."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[..., None, None].astype(jnp.float32) * freqs  # (..., T, 1, H/2)
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def segment_positions(segment_ids):
+    """Position of each token within its segment, (B, T) int32, for packed documents."""
+    t = segment_ids.shape[-1]
+    index = jnp.arange(t, dtype=jnp.int32)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[..., :1], bool), segment_ids[..., 1:] != segment_ids[..., :-1]],
+        axis=-1,
+    )
+    start_index = jax.lax.cummax(jnp.where(starts, index, 0), axis=segment_ids.ndim - 1)
+    return index - start_index
+
+
+class FlashMultiHeadAttention(nnx.Module):
+    """Multi-head attention on the FlashAttention kernels, mirroring `nnx.MultiHeadAttention`.
+
+    Projections: query (in_features -> num_heads x head_dim), key and value (-> num_kv_heads x
+    head_dim, GQA when num_kv_heads < num_heads), output (-> out_features), with head_dim =
+    qkv_features // num_heads. Options: `is_causal`, `local_window_size`, `logits_soft_cap` (as
+    `pallas_kernels.dot_product_attention`) and rotary embeddings with base `rope_theta`.
+
+    `__call__(inputs_q (B, T, F), inputs_kv=None, *, q_segment_ids=None, kv_segment_ids=None,
+    decode=None)` returns (B, T, out_features). With `decode=True` (after `init_cache`) each call
+    takes the next tokens, appends their keys and values to the cache and attends over the filled
+    part, continuing the positions where the last call stopped.
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        in_features,
+        qkv_features=None,
+        out_features=None,
+        *,
+        num_kv_heads=None,
+        is_causal=False,
+        local_window_size=None,
+        logits_soft_cap=None,
+        rope_theta=None,
+        use_bias=False,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init=DEFAULT_KERNEL_INIT,
+        implementation=None,
+        rngs,
+    ):
+        qkv_features = in_features if qkv_features is None else qkv_features
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if qkv_features % num_heads:
+            raise ValueError(
+                f"qkv_features ({qkv_features}) must be divisible by num_heads ({num_heads})"
+            )
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = qkv_features // num_heads
+        if rope_theta is not None and self.head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head dim, got {self.head_dim}")
+        self.in_features = in_features
+        self.out_features = in_features if out_features is None else out_features
+        self.is_causal, self.local_window_size = is_causal, local_window_size
+        self.logits_soft_cap, self.rope_theta = logits_soft_cap, rope_theta
+        self.dtype, self.implementation = dtype, implementation
+
+        def projection(features_in, out_shape, axis, names):
+            return nnx.LinearGeneral(
+                features_in, out_shape, axis=axis, use_bias=use_bias, dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=nnx.with_partitioning(kernel_init, names, eager_sharding=False),
+                rngs=rngs,
+            )
+
+        self.query = projection(in_features, (num_heads, self.head_dim), -1,
+                                ("embed", "heads", "head_dim"))
+        self.key = projection(in_features, (num_kv_heads, self.head_dim), -1,
+                              ("embed", "kv_heads", "head_dim"))
+        self.value = projection(in_features, (num_kv_heads, self.head_dim), -1,
+                                ("embed", "kv_heads", "head_dim"))
+        self.out = projection((num_heads, self.head_dim), self.out_features, (-2, -1),
+                              ("heads", "head_dim", "embed"))
+        self.cached_key = nnx.data(None)
+        self.cached_value = nnx.data(None)
+        self.cache_index = nnx.data(None)
+
+    def init_cache(self, input_shape, dtype=jnp.float32):
+        """Allocates the KV cache for input_shape = (batch, max_length, features)."""
+        batch, max_length = input_shape[:2]
+        shape = (batch, max_length, self.num_kv_heads, self.head_dim)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+
+    def __call__(self, inputs_q, inputs_kv=None, *, q_segment_ids=None, kv_segment_ids=None,
+                 decode=None):
+        inputs_kv = inputs_q if inputs_kv is None else inputs_kv
+        query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv)
+        if decode:
+            out = self._decode(query, key, value)
+        else:
+            if self.rope_theta is not None:
+                query = rotary_embedding(query, self._positions(inputs_q, q_segment_ids),
+                                         self.rope_theta)
+                key = rotary_embedding(key, self._positions(inputs_kv, kv_segment_ids),
+                                       self.rope_theta)
+            out = pallas_kernels.dot_product_attention(
+                query, key, value, is_causal=self.is_causal,
+                local_window_size=self.local_window_size, logits_soft_cap=self.logits_soft_cap,
+                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                implementation=self.implementation,
+            )
+        return self.out(out)
+
+    @staticmethod
+    def _positions(inputs, segment_ids):
+        if segment_ids is not None:
+            return segment_positions(segment_ids)
+        return jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape[:2])
+
+    def _decode(self, query, key, value):
+        """Appends the new keys/values at cache_index and attends over the filled cache."""
+        if self.cached_key is None:
+            raise ValueError("decode=True needs init_cache(input_shape) first")
+        batch, new = query.shape[:2]
+        start = self.cache_index[...]
+        positions = jnp.broadcast_to(start + jnp.arange(new, dtype=jnp.int32), (batch, new))
+        if self.rope_theta is not None:
+            query = rotary_embedding(query, positions, self.rope_theta)
+            key = rotary_embedding(key, positions, self.rope_theta)
+        index = (0, start, 0, 0)
+        self.cached_key[...] = jax.lax.dynamic_update_slice(
+            self.cached_key[...], key.astype(self.cached_key.dtype), index)
+        self.cached_value[...] = jax.lax.dynamic_update_slice(
+            self.cached_value[...], value.astype(self.cached_value.dtype), index)
+        self.cache_index[...] = start + new
+        return cached_attention(
+            query, self.cached_key[...], self.cached_value[...], positions[0], start + new,
+            band=masking.band(self.is_causal, self.local_window_size),
+            logits_soft_cap=self.logits_soft_cap,
+        )
+
+
+def cached_attention(query, keys, values, query_positions, filled, *, band, logits_soft_cap):
+    """Attention of new queries over a KV cache, in jnp (decode is bandwidth-bound).
+
+    query (B, n, N, H) at absolute `query_positions` (n,); keys/values (B, L, K, H) of which the
+    first `filled` are valid. The band of `masking` applies to absolute positions, so a
+    multi-token step stays causal inside itself. Returns (B, n, N, H) in the query's dtype.
+    """
+    b, n, heads, h = query.shape
+    k_heads = keys.shape[2]
+    q = query.astype(jnp.float32).reshape(b, n, k_heads, heads // k_heads, h)
+    logits = jnp.einsum("bnkgh,blkh->bkgnl", q, keys.astype(jnp.float32)) * h**-0.5
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    visible = masking.visible(
+        query_positions[:, None], jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :],
+        band=band, row_len=jnp.iinfo(jnp.int32).max, col_len=filled,
+    )
+    logits = jnp.where(visible, logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgnl,blkh->bnkgh", probs, values.astype(jnp.float32))
+    return out.reshape(b, n, heads, h).astype(query.dtype)
