@@ -1,6 +1,13 @@
 """Flax NNX layers on the pallas_kernels kernels."""
 
 from flax_layers.attention import FlashMultiHeadAttention, flash_attention_fn
+from flax_layers.hybrid import HybridLM, HybridLMConfig
 from flax_layers.mamba2 import Mamba2
 
-__all__ = ["FlashMultiHeadAttention", "Mamba2", "flash_attention_fn"]
+__all__ = [
+    "FlashMultiHeadAttention",
+    "HybridLM",
+    "HybridLMConfig",
+    "Mamba2",
+    "flash_attention_fn",
+]

@@ -7,6 +7,7 @@
 """
 
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +100,14 @@ def segment_positions(segment_ids):
     return index - start_index
 
 
+class KVCache(NamedTuple):
+    """Keys and values (B, max_length, K, H) and how many positions are filled (() int32)."""
+
+    keys: jax.Array
+    values: jax.Array
+    index: jax.Array
+
+
 class FlashMultiHeadAttention(nnx.Module):
     """Multi-head attention on the FlashAttention kernels, mirroring `nnx.MultiHeadAttention`.
 
@@ -172,32 +181,40 @@ class FlashMultiHeadAttention(nnx.Module):
         self.cached_value = nnx.data(None)
         self.cache_index = nnx.data(None)
 
-    def init_cache(self, input_shape, dtype=jnp.float32):
-        """Allocates the KV cache for input_shape = (batch, max_length, features)."""
-        batch, max_length = input_shape[:2]
+    def empty_cache(self, batch, max_length, dtype=jnp.float32):
+        """An empty KVCache for `attend_cached` (a cache held outside this module)."""
         shape = (batch, max_length, self.num_kv_heads, self.head_dim)
-        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
-        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
-        self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.array(0, jnp.int32))
+
+    def init_cache(self, input_shape, dtype=jnp.float32):
+        """Allocates the module's KV cache for input_shape = (batch, max_length, features)."""
+        cache = self.empty_cache(input_shape[0], input_shape[1], dtype)
+        self.cached_key = nnx.Cache(cache.keys)
+        self.cached_value = nnx.Cache(cache.values)
+        self.cache_index = nnx.Cache(cache.index)
 
     def __call__(self, inputs_q, inputs_kv=None, *, q_segment_ids=None, kv_segment_ids=None,
                  decode=None):
+        if decode:
+            if self.cached_key is None:
+                raise ValueError("decode=True needs init_cache(input_shape) first")
+            cache = KVCache(self.cached_key[...], self.cached_value[...], self.cache_index[...])
+            out, cache = self.attend_cached(inputs_q, cache)
+            self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache
+            return out
         inputs_kv = inputs_q if inputs_kv is None else inputs_kv
         query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv)
-        if decode:
-            out = self._decode(query, key, value)
-        else:
-            if self.rope_theta is not None:
-                query = rotary_embedding(query, self._positions(inputs_q, q_segment_ids),
-                                         self.rope_theta)
-                key = rotary_embedding(key, self._positions(inputs_kv, kv_segment_ids),
-                                       self.rope_theta)
-            out = pallas_kernels.dot_product_attention(
-                query, key, value, is_causal=self.is_causal,
-                local_window_size=self.local_window_size, logits_soft_cap=self.logits_soft_cap,
-                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                implementation=self.implementation,
-            )
+        if self.rope_theta is not None:
+            query = rotary_embedding(query, self._positions(inputs_q, q_segment_ids),
+                                     self.rope_theta)
+            key = rotary_embedding(key, self._positions(inputs_kv, kv_segment_ids),
+                                   self.rope_theta)
+        out = pallas_kernels.dot_product_attention(
+            query, key, value, is_causal=self.is_causal,
+            local_window_size=self.local_window_size, logits_soft_cap=self.logits_soft_cap,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+            implementation=self.implementation,
+        )
         return self.out(out)
 
     @staticmethod
@@ -206,27 +223,25 @@ class FlashMultiHeadAttention(nnx.Module):
             return segment_positions(segment_ids)
         return jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape[:2])
 
-    def _decode(self, query, key, value):
-        """Appends the new keys/values at cache_index and attends over the filled cache."""
-        if self.cached_key is None:
-            raise ValueError("decode=True needs init_cache(input_shape) first")
+    def attend_cached(self, inputs, cache):
+        """Self-attention of new tokens (B, n, F) that continue `cache`: appends their keys and
+        values at cache.index and attends over the filled part. Returns (out, new cache)."""
+        query, key, value = self.query(inputs), self.key(inputs), self.value(inputs)
         batch, new = query.shape[:2]
-        start = self.cache_index[...]
+        start = cache.index
         positions = jnp.broadcast_to(start + jnp.arange(new, dtype=jnp.int32), (batch, new))
         if self.rope_theta is not None:
             query = rotary_embedding(query, positions, self.rope_theta)
             key = rotary_embedding(key, positions, self.rope_theta)
         index = (0, start, 0, 0)
-        self.cached_key[...] = jax.lax.dynamic_update_slice(
-            self.cached_key[...], key.astype(self.cached_key.dtype), index)
-        self.cached_value[...] = jax.lax.dynamic_update_slice(
-            self.cached_value[...], value.astype(self.cached_value.dtype), index)
-        self.cache_index[...] = start + new
-        return cached_attention(
-            query, self.cached_key[...], self.cached_value[...], positions[0], start + new,
+        keys = jax.lax.dynamic_update_slice(cache.keys, key.astype(cache.keys.dtype), index)
+        values = jax.lax.dynamic_update_slice(cache.values, value.astype(cache.values.dtype), index)
+        out = cached_attention(
+            query, keys, values, positions[0], start + new,
             band=masking.band(self.is_causal, self.local_window_size),
             logits_soft_cap=self.logits_soft_cap,
         )
+        return self.out(out), KVCache(keys, values, start + new)
 
 
 def cached_attention(query, keys, values, query_positions, filled, *, band, logits_soft_cap):
