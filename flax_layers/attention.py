@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
+from flax_layers._sharding import logical
 from pallas_kernels.attention import masking
 
 _WARNED = set()
@@ -161,22 +162,22 @@ class FlashMultiHeadAttention(nnx.Module):
         self.logits_soft_cap, self.rope_theta = logits_soft_cap, rope_theta
         self.dtype, self.implementation = dtype, implementation
 
-        def projection(features_in, out_shape, axis, names):
+        def projection(features_in, out_shape, axis, in_names, out_names):
             return nnx.LinearGeneral(
                 features_in, out_shape, axis=axis, use_bias=use_bias, dtype=dtype,
-                param_dtype=param_dtype,
-                kernel_init=nnx.with_partitioning(kernel_init, names, eager_sharding=False),
-                rngs=rngs,
+                param_dtype=param_dtype, kernel_init=kernel_init,
+                kernel_metadata=logical(*in_names, *out_names),
+                bias_metadata=logical(*out_names), rngs=rngs,
             )
 
-        self.query = projection(in_features, (num_heads, self.head_dim), -1,
-                                ("embed", "heads", "head_dim"))
-        self.key = projection(in_features, (num_kv_heads, self.head_dim), -1,
-                              ("embed", "kv_heads", "head_dim"))
-        self.value = projection(in_features, (num_kv_heads, self.head_dim), -1,
-                                ("embed", "kv_heads", "head_dim"))
-        self.out = projection((num_heads, self.head_dim), self.out_features, (-2, -1),
-                              ("heads", "head_dim", "embed"))
+        heads, kv_heads = ("heads", "head_dim"), ("kv_heads", "head_dim")
+        self.query = projection(in_features, (num_heads, self.head_dim), -1, ("embed",), heads)
+        self.key = projection(in_features, (num_kv_heads, self.head_dim), -1, ("embed",),
+                              kv_heads)
+        self.value = projection(in_features, (num_kv_heads, self.head_dim), -1, ("embed",),
+                                kv_heads)
+        self.out = projection((num_heads, self.head_dim), self.out_features, (-2, -1), heads,
+                              ("embed",))
         self.cached_key = nnx.data(None)
         self.cached_value = nnx.data(None)
         self.cache_index = nnx.data(None)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flax_layers._sharding import logical
 from flax_layers.attention import FlashMultiHeadAttention, KVCache
 from flax_layers.mamba2 import Mamba2
 
@@ -50,9 +51,13 @@ class HybridLMConfig:
         return cls(**{**presets[name], **overrides})
 
 
+def _rms_norm(features, config, rngs):
+    return nnx.RMSNorm(features, dtype=config.dtype, scale_metadata=logical("embed"), rngs=rngs)
+
+
 class _MambaBlock(nnx.Module):
     def __init__(self, config, rngs):
-        self.norm = nnx.RMSNorm(config.d_model, dtype=config.dtype, rngs=rngs)
+        self.norm = _rms_norm(config.d_model, config, rngs)
         self.mixer = Mamba2(
             config.d_model, d_state=config.d_state, d_conv=config.d_conv, expand=config.expand,
             headdim=config.headdim, ngroups=config.ngroups, chunk_size=config.chunk_size,
@@ -65,15 +70,18 @@ class _SharedBlock(nnx.Module):
 
     def __init__(self, config, rngs):
         d = config.d_model
-        self.attn_norm = nnx.RMSNorm(2 * d, dtype=config.dtype, rngs=rngs)
+        self.attn_norm = _rms_norm(2 * d, config, rngs)
         self.attention = FlashMultiHeadAttention(
             config.num_heads, 2 * d, config.num_heads * config.head_dim, d,
             num_kv_heads=config.num_kv_heads, is_causal=True, rope_theta=config.rope_theta,
             dtype=config.dtype, implementation=config.implementation, rngs=rngs,
         )
-        self.mlp_norm = nnx.RMSNorm(d, dtype=config.dtype, rngs=rngs)
-        self.up = nnx.Linear(d, config.mlp_hidden, dtype=config.dtype, rngs=rngs)
-        self.down = nnx.Linear(config.mlp_hidden, d, dtype=config.dtype, rngs=rngs)
+        self.mlp_norm = _rms_norm(d, config, rngs)
+        self.up = nnx.Linear(d, config.mlp_hidden, dtype=config.dtype, rngs=rngs,
+                             kernel_metadata=logical("embed", "mlp"), bias_metadata=logical("mlp"))
+        self.down = nnx.Linear(config.mlp_hidden, d, dtype=config.dtype, rngs=rngs,
+                               kernel_metadata=logical("mlp", "embed"),
+                               bias_metadata=logical("embed"))
 
     def __call__(self, h, embeddings, segment_ids, cache):
         x = self.attn_norm(jnp.concatenate([h, embeddings], axis=-1))
@@ -113,13 +121,12 @@ class HybridLM(nnx.Module):
         self.config = config
         self.embed = nnx.Embed(
             config.vocab_size, config.d_model, dtype=config.dtype,
-            embedding_init=nnx.with_partitioning(
-                nnx.initializers.normal(0.02), ("vocab", "embed"), eager_sharding=False),
-            rngs=rngs,
+            embedding_init=nnx.initializers.normal(0.02),
+            embedding_metadata=logical("vocab", "embed"), rngs=rngs,
         )
         self.blocks = nnx.List([_MambaBlock(config, rngs) for _ in range(config.num_layers)])
         self.shared = _SharedBlock(config, rngs)
-        self.final_norm = nnx.RMSNorm(config.d_model, dtype=config.dtype, rngs=rngs)
+        self.final_norm = _rms_norm(config.d_model, config, rngs)
         self.kv_caches = nnx.data(None)
 
     def init_cache(self, batch_size, max_length):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
+from flax_layers._sharding import logical, logical_param
 from pallas_kernels.mamba2 import reference
 
 
@@ -20,13 +21,8 @@ def _torch_linear_init(fan_in):
     return init
 
 
-def _sharded(value, names):
-    """A parameter annotated with logical axis names (applied once a mesh shards the model)."""
-    return nnx.Param(value, out_sharding=names, eager_sharding=False)
-
-
 def _param(rngs, init, shape, dtype, names):
-    return _sharded(init(rngs.params(), shape, dtype), names)
+    return logical_param(init(rngs.params(), shape, dtype), *names)
 
 
 class Mamba2(nnx.Module):
@@ -91,12 +87,11 @@ class Mamba2(nnx.Module):
 
         self.in_proj = nnx.Linear(
             d_model, d_in_proj, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=nnx.with_partitioning(
-                _torch_linear_init(d_model), ("embed", "inner"), eager_sharding=False),
-            bias_init=_torch_linear_init(d_model), rngs=rngs,
+            kernel_init=_torch_linear_init(d_model), bias_init=_torch_linear_init(d_model),
+            kernel_metadata=logical("embed", "inner"), bias_metadata=logical("inner"), rngs=rngs,
         )
         self.conv_weight = _param(rngs, _torch_linear_init(d_conv), (d_conv, self.conv_dim),
-                                  param_dtype, (None, "inner"))
+                                  param_dtype, ("conv_width", "inner"))
         self.conv_bias = (
             _param(rngs, _torch_linear_init(d_conv), (self.conv_dim,), param_dtype, ("inner",))
             if conv_bias else None
@@ -105,19 +100,18 @@ class Mamba2(nnx.Module):
         log_dt = jax.random.uniform(key_dt, (nheads,), jnp.float32, math.log(dt_min),
                                     math.log(dt_max))
         dt = jnp.maximum(jnp.exp(log_dt), dt_init_floor)
-        self.dt_bias = _sharded(dt + jnp.log(-jnp.expm1(-dt)), ("heads",))
+        self.dt_bias = logical_param(dt + jnp.log(-jnp.expm1(-dt)), "heads")
         a = jax.random.uniform(key_a, (nheads,), jnp.float32, *A_init_range)
-        self.A_log = _sharded(jnp.log(a), ("heads",))
-        self.D = _sharded(jnp.ones((d_inner,) if D_has_hdim else (nheads,), jnp.float32),
-                          ("inner",) if D_has_hdim else ("heads",))
+        self.A_log = logical_param(jnp.log(a), "heads")
+        self.D = logical_param(jnp.ones((d_inner,) if D_has_hdim else (nheads,), jnp.float32),
+                               "inner" if D_has_hdim else "heads")
         self.norm_weight = (
-            _sharded(jnp.ones((d_inner,), param_dtype), ("inner",)) if rmsnorm else None
+            logical_param(jnp.ones((d_inner,), param_dtype), "inner") if rmsnorm else None
         )
         self.out_proj = nnx.Linear(
             d_inner, d_model, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=nnx.with_partitioning(
-                _torch_linear_init(d_inner), ("inner", "embed"), eager_sharding=False),
-            bias_init=_torch_linear_init(d_inner), rngs=rngs,
+            kernel_init=_torch_linear_init(d_inner), bias_init=_torch_linear_init(d_inner),
+            kernel_metadata=logical("inner", "embed"), bias_metadata=logical("embed"), rngs=rngs,
         )
         self.conv_state = nnx.data(None)
         self.ssm_state = nnx.data(None)

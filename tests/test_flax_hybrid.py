@@ -49,7 +49,7 @@ def test_pallas_and_xla_agree_with_gradients():
 
 
 def test_jit_train_step_lowers_the_loss():
-    model = HybridLM(HybridLMConfig(**SMALL, implementation="xla"), rngs=nnx.Rngs(0))
+    model = HybridLM(HybridLMConfig.preset("tiny", implementation="xla"), rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
     tokens = jax.random.randint(jax.random.key(2), (4, 33), 0, 32)
 
@@ -99,3 +99,14 @@ def test_bad_configuration():
     model = HybridLM(HybridLMConfig(**SMALL), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="init_cache"):
         model(jnp.ones((1, 1), jnp.int32), decode=True)
+
+
+def test_every_parameter_has_logical_axis_names():
+    model = HybridLM(HybridLMConfig(**SMALL, implementation="xla"), rngs=nnx.Rngs(0))
+    attention_with_bias = linen_layers.attention.FlashMultiHeadAttention(
+        2, 16, use_bias=True, rngs=nnx.Rngs(0))
+    for module in (model, attention_with_bias):
+        params = nnx.state(module, nnx.Param)
+        specs = nnx.get_partition_spec(params)
+        for param, spec in zip(jax.tree.leaves(params), jax.tree.leaves(specs), strict=True):
+            assert len(spec) == param.ndim and all(name for name in spec), spec
