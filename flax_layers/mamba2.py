@@ -195,7 +195,8 @@ class Mamba2(nnx.Module):
             return_final_states=True, implementation=self.implementation,
         )
         if self.ssm_state is not None:  # leave the states where decoding continues
-            tail = jnp.concatenate([history, xbc], axis=1)[:, -(self.d_conv - 1):]
+            padded = jnp.concatenate([history, xbc], axis=1)
+            tail = padded[:, padded.shape[1] - (self.d_conv - 1):]  # empty when d_conv == 1
             self.conv_state[...] = tail.astype(self.conv_state.dtype)
             self.ssm_state[...] = final
         return self._norm_and_project(y.reshape(batch, t, self.d_inner), z)

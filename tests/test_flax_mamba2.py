@@ -36,7 +36,7 @@ def test_pallas_and_xla_agree_with_parameter_gradients():
 
 
 @pytest.mark.parametrize("options", [dict(ngroups=1), dict(ngroups=2, rmsnorm=False),
-                                     dict(ngroups=2, norm_before_gate=True)])
+                                     dict(ngroups=2, norm_before_gate=True, d_conv=1)])
 def test_decode_continues_the_forward_exactly(options):
     u = jax.random.normal(jax.random.key(1), (2, 20, 16))
     layer = Mamba2(16, implementation="xla", rngs=nnx.Rngs(1), **SMALL, **options)
