@@ -30,8 +30,8 @@ class KernelBlocks:
     def fit(self, t, s):
         """The same tile, shrunk (to at least 16) where the sequence is shorter than the block."""
         return dataclasses.replace(
-            self, block_q=min(self.block_q, _pow2_at_least(t)),
-            block_k=min(self.block_k, _pow2_at_least(s)),
+            self, block_q=min(self.block_q, pow2_at_least(t)),
+            block_k=min(self.block_k, pow2_at_least(s)),
         )
 
 
@@ -48,13 +48,14 @@ class BlockSizes:
         return BlockSizes(self.forward.fit(t, s), self.dkv.fit(t, s), self.dq.fit(t, s))
 
 
-def _pow2_at_least(n, minimum=16):
+def pow2_at_least(n, minimum=16):
+    """The smallest power of two >= n and >= minimum (Triton needs power-of-two arrays)."""
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def padded_head_dim(head_dim):
     """The power of two (at least 16) that the kernels pad a head dim to."""
-    return _pow2_at_least(head_dim)
+    return pow2_at_least(head_dim)
 
 
 def _b(block_q, block_k, num_warps, num_stages):

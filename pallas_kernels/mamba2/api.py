@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _compat
+from pallas_kernels.attention.tuning import pow2_at_least
 from pallas_kernels.mamba2 import backward, common, forward, reference, state_update, tuning
 
 IMPLEMENTATIONS = ("pallas", "xla")
@@ -105,7 +106,7 @@ def selective_state_update(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _pallas_step(dt_softplus, interpret, state, x, dt, A, B, C, D, z, dt_bias):
     b, h, p, n = state.shape
-    p_pad, n_pad = _pow2_at_least(p), _pow2_at_least(n)
+    p_pad, n_pad = pow2_at_least(p), pow2_at_least(n)
     dt_step = reference.preprocess_dt(dt, dt_bias, dt_softplus).astype(jnp.float32)
     decay = jnp.exp(jnp.minimum(dt_step * A.astype(jnp.float32), 0.0))
     if D is not None:
@@ -236,10 +237,6 @@ def _check_step(state, x, dt, A, B, C, D, z, dt_bias):
 # The Pallas path.
 
 
-def _pow2_at_least(n, minimum=16):
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
-
-
 def _pad(x, sizes, mode="constant"):
     """Pads each axis of x at the end up to `sizes` (None keeps an axis)."""
     widths = [
@@ -252,7 +249,7 @@ def _pallas_ssd(x, dt_step, A, B, C, chunk_size, D, z, initial_states, seq_idx, 
     """Pads to whole chunks and power-of-two P and N, runs `_ssd`, slices back."""
     b, t, h, p = x.shape
     n = B.shape[-1]
-    p_pad, n_pad = _pow2_at_least(p), _pow2_at_least(n)
+    p_pad, n_pad = pow2_at_least(p), pow2_at_least(n)
     blocks = tuning.blocks_for(_compat.target_device()[0], n_pad)
     block_t = max(16, min(chunk_size, blocks.block_t))
     t_pad = math.ceil(t / block_t) * block_t
