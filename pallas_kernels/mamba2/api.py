@@ -253,17 +253,17 @@ def _pallas_ssd(x, dt_step, A, B, C, chunk_size, D, z, initial_states, seq_idx, 
     blocks = tuning.blocks_for(_compat.target_device()[0], n_pad)
     block_t = max(16, min(chunk_size, blocks.block_t))
     t_pad = math.ceil(t / block_t) * block_t
-    static = common.Static(
+    static = common.Static.from_blocks(
+        blocks,
         block_t=block_t,
-        block_p=min(blocks.block_p, p_pad),
+        p_pad=p_pad,
+        heads_per_group=h // B.shape[2],
         num_chunks=t_pad // block_t,
+        interpret=interpret,
         has_seq_idx=seq_idx is not None,
         has_d=D is not None,
         has_z=z is not None,
         has_initial_states=initial_states is not None,
-        num_warps=blocks.num_warps,
-        num_stages=blocks.num_stages,
-        interpret=interpret,
     )
     if D is not None:
         D = jnp.broadcast_to(D.astype(jnp.float32)[:, None] if D.ndim == 1 else D, (h, p))

@@ -5,12 +5,16 @@ After the forward kernel recomputes the state entering each chunk (`forward(emit
 * `state_gradients`: one program per (batch row, head, head-dim block) walks the chunks in
   reverse, G <- dH_local + exp(s_last) G, writing G (the gradient of the state leaving each
   chunk) and the initial-state gradient.
-* `chunk_gradients`: one program per (chunk, group, batch row) loops over the group's heads. It
-  computes C B^T once, writes dx and two per-token float32 vectors per head (the dt' term of dx
-  and the gradient of the log decay a = dt' A, chunk-local thanks to G), and sums dB, dC over the
-  heads in registers.
+* `chunk_gradients`: one program per (chunk, block of one group's heads, batch row) loops over
+  its heads. It computes C B^T once, writes dx and two per-token float32 vectors per head (the
+  dt' term of dx and the gradient of the log decay a = dt' A, chunk-local thanks to G). For dB
+  and dC it sums the (Q, Q) score gradient over its heads (C and B are shared by the group, so
+  two matmuls per program give the intra-chunk terms) and writes the decay-scaled x and dY
+  that XLA contracts with the states over (heads, P) in one batched matmul per chunk (the
+  state terms). No per-head (Q, N) tensor is accumulated or stored.
 
-States and their gradients pass between the kernels in float32.
+The recurrences carry states and their gradients in float32; the copies that pass between the
+kernels (matmul operands there) are stored in the inputs' dtype, as mamba_ssm stores its states.
 """
 
 import functools
@@ -50,7 +54,7 @@ def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final):
 
 
 def state_gradients(dy, s, c, seq, dfinal, *, static):
-    """Gradients of the chunk-leaving states, (B, H, nc, Pp, Np) float32, and of h0.
+    """Gradients of the chunk-leaving states, (B, nc, H, Pp, Np) in dy's dtype, and of h0.
 
     dy (B, Tp, H, Pp) is the gradient of the pre-gate output; s (B, H, Tp); c (B, Tp, G, Np);
     seq (B, Tp) or None; dfinal (B, H, Pp, Np) float32 or None. Returns (gstates, dh0 float32).
@@ -77,11 +81,11 @@ def state_gradients(dy, s, c, seq, dfinal, *, static):
         grid=(p_pad // bp, heads, batch),
         in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, None, nc, bp, n_pad), lambda p, h, i: (i, h, 0, p, 0)),
+            pl.BlockSpec((None, nc, None, bp, n_pad), lambda p, h, i: (i, 0, h, p, 0)),
             state_spec,
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, heads, nc, p_pad, n_pad), jnp.float32),
+            jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), dy.dtype),
             jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32),
         ],
         compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
@@ -92,17 +96,16 @@ def state_gradients(dy, s, c, seq, dfinal, *, static):
 
 def _chunk_gradients_kernel(
     x_ref, dy_ref, dt_ref, s_ref, b_ref, c_ref, states_ref, gstates_ref, *refs, static,
-    heads_per_group,
+    heads_per_program,
 ):
     refs = list(refs)
     seq_ref = refs.pop(0) if static.has_seq_idx else None
     d_ref = refs.pop(0) if static.has_d else None
-    dx_ref, ddt_ref, dlog_ref, db_ref, dc_ref = refs
+    dx_ref, ddt_ref, dlog_ref, x_to_end_ref, dy_from_start_ref, db_ref, dc_ref = refs
     c = pl.program_id(0)
     b = b_ref[...]
     cmat = c_ref[...]
     dtype = b.dtype
-    b32, c32 = b.astype(jnp.float32), cmat.astype(jnp.float32)
     scores = jnp.dot(cmat, b.T, preferred_element_type=jnp.float32)  # C B^T, (Q, Q)
     q = static.block_t
     row = jnp.arange(q, dtype=jnp.int32)[:, None]
@@ -110,99 +113,120 @@ def _chunk_gradients_kernel(
     before = (row < col).astype(jnp.float32)  # before[j, t] = [j < t]
     at_or_after = row >= col  # at_or_after[l, t] = [l >= t]
 
-    def head(j, carry):
-        db, dc = carry
+    def head(j, dscores_sum):
         x = x_ref[:, j, :]
         dy = dy_ref[:, j, :]
         dt = dt_ref[j, common.chunk_tokens(c, static)]
         masks = common.chunk_masks(c, s_ref, seq_ref, static, head=j)
-        state = states_ref[j]  # (P, N) float32: entering the chunk
-        grad = gstates_ref[j]  # (P, N) float32: gradient of the state leaving it
-        x_bar = (x.astype(jnp.float32) * dt[:, None]).astype(dtype)
+        state = states_ref[j].astype(dtype)  # (P, N): entering the chunk
+        grad = gstates_ref[j].astype(dtype)  # (P, N): gradient of the state leaving it
+        x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
+        x_bar = (x32 * dt[:, None]).astype(dtype)
 
-        dx_bar = masks.to_end[:, None] * jnp.dot(
-            b, grad.astype(dtype).T, preferred_element_type=jnp.float32
-        )
-        dx_bar += jnp.dot(
+        grad_b = jnp.dot(b, grad.T, preferred_element_type=jnp.float32)  # B G^T, (Q, P)
+        carried = jnp.dot(cmat, state.T, preferred_element_type=jnp.float32)  # C H^T, (Q, P)
+        dx_bar = masks.to_end[:, None] * grad_b + jnp.dot(
             (scores * masks.decay).T.astype(dtype), dy, preferred_element_type=jnp.float32
         )
         dx = dx_bar * dt[:, None]
         if d_ref is not None:
-            dx += d_ref[j, :][None, :] * dy.astype(jnp.float32)
+            dx += d_ref[j, :][None, :] * dy32
         dx_ref[:, j, :] = dx.astype(dx_ref.dtype)
-        ddt_ref[j, :] = jnp.sum(dx_bar * x.astype(jnp.float32), axis=1)
-
+        ddt_ref[j, :] = jnp.sum(dx_bar * x32, axis=1)
+        # The state terms of dB and dC, summed over the group's heads by XLA as one matmul each.
+        x_to_end_ref[:, j, :] = (x_bar.astype(jnp.float32) * masks.to_end[:, None]).astype(dtype)
+        dy_from_start_ref[:, j, :] = (dy32 * masks.from_start[:, None]).astype(dtype)
         dscores = masks.decay * jnp.dot(dy, x_bar.T, preferred_element_type=jnp.float32)
-        db_state = masks.to_end[:, None] * jnp.dot(
-            x_bar, grad.astype(dtype), preferred_element_type=jnp.float32
-        )
-        dc_state = jnp.dot(dy, state.astype(dtype), preferred_element_type=jnp.float32)
-        db_head = db_state + jnp.dot(
-            dscores.T.astype(dtype), cmat, preferred_element_type=jnp.float32
-        )
-        dc_head = masks.from_start[:, None] * dc_state + jnp.dot(
-            dscores.astype(dtype), b, preferred_element_type=jnp.float32
-        )
 
         # Gradient of the log-decay a_t, in mamba_ssm's three non-cancelling parts:
         # intra-chunk sum_{l>=t} sum_{j<t} M[l, j] with M = C B^T o L o (dY xbar^T); the chunk
         # state sum_{j<t} dB_state_j . B_j; the carried state sum_{l>=t} dY_l . Y_off_l, plus
-        # the passing term exp(s_last) <G, H> for every t.
+        # the passing term exp(s_last) <G, H> for every t. The dot products with B and C run
+        # over P: dB_state_j . B_j = to_end_j xbar_j . (B G^T)_j, dC_state_l . C_l likewise.
         prefix = jnp.dot(scores * dscores, before, preferred_element_type=jnp.float32)
         intra = jnp.sum(jnp.where(at_or_after, prefix, 0.0), axis=0)
-        into_state = jnp.sum(b32 * db_state, axis=1)
-        from_state = masks.from_start * jnp.sum(c32 * dc_state, axis=1)
+        into_state = masks.to_end * jnp.sum(x_bar.astype(jnp.float32) * grad_b, axis=1)
+        from_state = masks.from_start * jnp.sum(dy32 * carried, axis=1)
+        passing = jnp.sum(grad.astype(jnp.float32) * state.astype(jnp.float32), axis=1)
         dlog_ref[j, :] = (
             intra
             + jnp.sum(before * into_state[:, None], axis=0)
             + jnp.sum(jnp.where(at_or_after, from_state[:, None], 0.0), axis=0)
             # One axis at a time: a two-axis reduction fails to lower under an abstract mesh.
-            + masks.chunk_decay * jnp.sum(jnp.sum(grad * state, axis=1), axis=0)
+            + masks.chunk_decay * jnp.sum(passing, axis=0)
         )
-        return db + db_head, dc + dc_head
+        return dscores_sum + dscores
 
-    zeros = jnp.zeros(b.shape, jnp.float32)
-    db, dc = jax.lax.fori_loop(0, heads_per_group, head, (zeros, zeros))
-    db_ref[...] = db.astype(db_ref.dtype)
-    dc_ref[...] = dc.astype(dc_ref.dtype)
+    # C and B are shared by the group's heads: the intra-chunk terms of dB, dC need only the
+    # head-summed dscores, two matmuls per program instead of two per head.
+    dscores_sum = jax.lax.fori_loop(
+        0, heads_per_program, head, jnp.zeros(scores.shape, jnp.float32)
+    )
+    db_ref[...] = jnp.dot(dscores_sum.T.astype(dtype), cmat, preferred_element_type=jnp.float32)
+    dc_ref[...] = jnp.dot(dscores_sum.astype(dtype), b, preferred_element_type=jnp.float32)
 
 
 def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
     """dx, the per-head float32 vectors (ddt_x, dlog_decay) and the group-summed dB, dC.
 
     x, dy (B, Tp, H, Pp); dt, s (B, H, Tp) float32; b, c (B, Tp, G, Np); seq (B, Tp) or None;
-    d (H, Pp) float32 or None; states, gstates (B, H, nc, Pp, Np) float32. Returns dx
-    (B, Tp, H, Pp) in x's dtype; ddt_x (the dt' term of dx) and dlog_decay (the gradient of
-    a = dt' A) (B, H, Tp) float32; db and dc (B, Tp, G, Np) in b's dtype.
+    d (H, Pp) float32 or None; states, gstates (B, nc, H, Pp, Np). Returns dx (B, Tp, H, Pp) in
+    x's dtype; ddt_x (the dt' term of dx) and dlog_decay (the gradient of a = dt' A) (B, H, Tp)
+    float32; db and dc (B, Tp, G, Np) in b's dtype.
+
+    One program per (chunk, block of `static.heads_per_program` heads of one group, batch row).
+    The head blocks' float32 partial sums and the state terms are added by XLA in a fixed order
+    (deterministic, no atomics).
     """
     batch, t_pad, heads, p_pad = x.shape
     groups, n_pad = b.shape[2], b.shape[3]
     hpg, q, nc = heads // groups, static.block_t, static.num_chunks
-    tokens = pl.BlockSpec((None, q, hpg, p_pad), lambda ci, g, i: (i, ci, g, 0))
-    per_head_full = pl.BlockSpec((None, hpg, t_pad), lambda ci, g, i: (i, g, 0))
-    per_head_chunk = pl.BlockSpec((None, hpg, q), lambda ci, g, i: (i, g, ci))
-    group = pl.BlockSpec((None, q, None, n_pad), lambda ci, g, i: (i, ci, g, 0))
-    chunk_states = pl.BlockSpec((None, hpg, None, p_pad, n_pad), lambda ci, g, i: (i, g, ci, 0, 0))
+    hb = static.heads_per_program
+    blocks_per_group = hpg // hb
+    tokens = pl.BlockSpec((None, q, hb, p_pad), lambda ci, k, i: (i, ci, k, 0))
+    per_head_full = pl.BlockSpec((None, hb, t_pad), lambda ci, k, i: (i, k, 0))
+    per_head_chunk = pl.BlockSpec((None, hb, q), lambda ci, k, i: (i, k, ci))
+    group = pl.BlockSpec(
+        (None, q, None, n_pad), lambda ci, k, i: (i, ci, k // blocks_per_group, 0)
+    )
+    partial = pl.BlockSpec((None, None, q, n_pad), lambda ci, k, i: (i, k, ci, 0))
+    chunk_states = pl.BlockSpec((None, None, hb, p_pad, n_pad), lambda ci, k, i: (i, ci, k, 0, 0))
     in_specs = [tokens, tokens, per_head_full, per_head_full, group, group, chunk_states,
                 chunk_states]
     args = [x, dy, dt, s, b, c, states, gstates]
     if static.has_seq_idx:
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda ci, g, i: (i, 0)))
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda ci, k, i: (i, 0)))
         args.append(seq)
     if static.has_d:
-        in_specs.append(pl.BlockSpec((hpg, p_pad), lambda ci, g, i: (g, 0)))
+        in_specs.append(pl.BlockSpec((hb, p_pad), lambda ci, k, i: (k, 0)))
         args.append(d)
     per_token = jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32)
-    return pl.pallas_call(
-        functools.partial(_chunk_gradients_kernel, static=static, heads_per_group=hpg),
-        grid=(nc, groups, batch),
+    scaled = jax.ShapeDtypeStruct(x.shape, b.dtype)
+    partial_shape = jax.ShapeDtypeStruct((batch, heads // hb, t_pad, n_pad), jnp.float32)
+    dx, ddt_x, dlog_decay, x_to_end, dy_from_start, db_parts, dc_parts = pl.pallas_call(
+        functools.partial(_chunk_gradients_kernel, static=static, heads_per_program=hb),
+        grid=(nc, heads // hb, batch),
         in_specs=in_specs,
-        out_specs=[tokens, per_head_chunk, per_head_chunk, group, group],
-        out_shape=[
-            jax.ShapeDtypeStruct(x.shape, x.dtype), per_token, per_token,
-            jax.ShapeDtypeStruct(b.shape, b.dtype), jax.ShapeDtypeStruct(c.shape, c.dtype),
-        ],
-        compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
+        out_specs=[tokens, per_head_chunk, per_head_chunk, tokens, tokens, partial, partial],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), per_token, per_token, scaled, scaled,
+                   partial_shape, partial_shape],
+        compiler_params=_compat.triton_params(static.grad_num_warps, static.grad_num_stages),
         interpret=static.interpret,
         name="ssd_chunk_gradients",
     )(*args)
+
+    def state_term(scaled_tokens, chunk_states):
+        # sum over the group's heads and P of (Q, P) @ (P, N) per chunk: one batched matmul.
+        lhs = scaled_tokens.reshape(batch, nc, q, groups, hpg, p_pad)
+        rhs = chunk_states.reshape(batch, nc, groups, hpg, p_pad, n_pad)
+        out = jnp.einsum("bcqgkp,bcgkpn->bcqgn", lhs, rhs, preferred_element_type=jnp.float32,
+                         precision=jax.lax.Precision.HIGHEST)
+        return out.reshape(batch, t_pad, groups, n_pad)
+
+    def intra_term(parts):
+        parts = parts.reshape(batch, groups, blocks_per_group, t_pad, n_pad).sum(axis=2)
+        return jnp.swapaxes(parts, 1, 2)
+
+    db = intra_term(db_parts) + state_term(x_to_end, gstates)
+    dc = intra_term(dc_parts) + state_term(dy_from_start, states)
+    return dx, ddt_x, dlog_decay, db.astype(b.dtype), dc.astype(b.dtype)

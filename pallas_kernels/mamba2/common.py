@@ -13,14 +13,36 @@ class Static:
 
     block_t: int  # chunk length Q of the kernels (a power of two)
     block_p: int  # head-dim rows per program of the scan kernels
+    heads_per_program: int  # heads per program of the chunk-gradient kernel (divides H / G)
     num_chunks: int
     has_seq_idx: bool
     has_d: bool
     has_z: bool
     has_initial_states: bool
-    num_warps: int
+    num_warps: int  # scan kernels
     num_stages: int
+    grad_num_warps: int  # chunk-gradient kernel
+    grad_num_stages: int
     interpret: bool
+
+    @classmethod
+    def from_blocks(cls, blocks, *, block_t, p_pad, heads_per_group, num_chunks, interpret,
+                    **flags):
+        """The Static of a tuning.SSDBlocks row; `flags` are the has_* fields."""
+        return cls(
+            block_t=block_t,
+            block_p=min(blocks.block_p, p_pad),
+            heads_per_program=max(
+                k for k in range(1, blocks.heads_per_program + 1) if heads_per_group % k == 0
+            ),
+            num_chunks=num_chunks,
+            num_warps=blocks.num_warps,
+            num_stages=blocks.num_stages,
+            grad_num_warps=blocks.grad_num_warps,
+            grad_num_stages=blocks.grad_num_stages,
+            interpret=interpret,
+            **flags,
+        )
 
 
 def chunk_tokens(c, static):

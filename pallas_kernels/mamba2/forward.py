@@ -80,7 +80,8 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
 
     emit="output": returns (y, y_pre, final) with y (B, Tp, H, Pp) in x's dtype, y_pre the output
     before the z gate (None without z) and final (B, H, Pp, Np) float32. emit="states": returns
-    (states, final), states (B, H, num_chunks, Pp, Np) float32, the state entering each chunk.
+    (states, final), states (B, num_chunks, H, Pp, Np) in x's dtype (carried in float32), the
+    state entering each chunk.
     """
     batch, t_pad, heads, p_pad = x.shape
     n_pad = b.shape[-1]
@@ -113,11 +114,11 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
     else:
         nc = static.num_chunks
         out_specs = [
-            pl.BlockSpec((None, None, nc, bp, n_pad), lambda p, h, i: (i, h, 0, p, 0)),
+            pl.BlockSpec((None, nc, None, bp, n_pad), lambda p, h, i: (i, 0, h, p, 0)),
             state_spec,
         ]
         out_shape = [
-            jax.ShapeDtypeStruct((batch, heads, nc, p_pad, n_pad), jnp.float32), final_shape
+            jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), x.dtype), final_shape
         ]
     outs = pl.pallas_call(
         functools.partial(_forward_kernel, static=static, emit=emit),

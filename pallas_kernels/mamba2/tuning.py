@@ -14,16 +14,20 @@ from pallas_kernels.attention.tuning import family
 class SSDBlocks:
     block_t: int  # largest chunk the kernels process at once
     block_p: int  # head-dim rows per program in the scan kernels
-    num_warps: int
+    heads_per_program: int  # most heads per program in the chunk-gradient kernel
+    num_warps: int  # scan kernels (forward, state recompute, state gradients)
     num_stages: int
+    grad_num_warps: int  # chunk-gradient kernel
+    grad_num_stages: int
 
 
-# family -> [(largest padded state size N it covers, SSDBlocks)]. Estimates, not yet measured.
+# family -> [(largest padded state size N it covers, SSDBlocks)]. The hopper rows are measured by
+# benchmarks/ssd_tune.py on an H200 (benchmarks/results/ssd_tune_h200_*.json); the rest estimates.
 _TABLE = {
-    "hopper": [(64, SSDBlocks(64, 64, 4, 2)), (256, SSDBlocks(64, 32, 4, 2))],
-    "ampere": [(64, SSDBlocks(64, 64, 4, 2)), (256, SSDBlocks(64, 32, 4, 2))],
-    "cdna": [(64, SSDBlocks(64, 32, 4, 1)), (256, SSDBlocks(32, 16, 4, 1))],
-    "fallback": [(64, SSDBlocks(64, 32, 4, 1)), (256, SSDBlocks(32, 16, 4, 1))],
+    "hopper": [(64, SSDBlocks(64, 64, 16, 4, 2, 4, 2)), (256, SSDBlocks(64, 64, 40, 4, 2, 8, 1))],
+    "ampere": [(64, SSDBlocks(64, 64, 16, 4, 2, 4, 1)), (256, SSDBlocks(64, 32, 16, 4, 2, 4, 1))],
+    "cdna": [(64, SSDBlocks(64, 32, 8, 4, 1, 4, 1)), (256, SSDBlocks(32, 16, 8, 4, 1, 4, 1))],
+    "fallback": [(64, SSDBlocks(64, 32, 8, 4, 1, 4, 1)), (256, SSDBlocks(32, 16, 8, 4, 1, 4, 1))],
 }
 
 
