@@ -1,0 +1,729 @@
+"""Train `flax_layers.HybridLM` as a byte-level language model on a public-domain corpus.
+
+The model reads raw UTF-8 bytes (vocabulary 256) of the corpus shipped in `examples/data/`
+(Shakespeare; see its README) and learns to predict the next byte. Everything a real training
+run needs is here and small enough to read in one sitting:
+
+- data: the file's bytes are the tokens; the last `--eval-fraction` is held out for evaluation;
+  training batches are random windows drawn by a seeded `numpy.random.Generator` whose state is
+  checkpointed, so a resumed run sees exactly the batches an uninterrupted run would have;
+- a jit-compiled train step: AdamW with linear warmup and cosine decay, global-norm gradient
+  clipping; float32 parameters, bfloat16 compute on a GPU (float32 on a CPU);
+- a progress bar with the loss and tokens/s (and model FLOP utilisation on a known GPU), an eval
+  loss every `--eval-every` steps, orbax checkpoints every `--checkpoint-every` steps (parameters,
+  optimizer state, step and data RNG state) and exact `--resume`;
+- at the end, text sampled through the model's decode caches (`HybridLM.generate`).
+
+Run from the repository root:
+
+    python examples/train_hybrid_lm.py                 # tiny model, ~5 minutes on 2 CPU cores
+    python examples/train_hybrid_lm.py --preset small  # on a GPU: Pallas kernels, bf16, MFU
+    python examples/train_hybrid_lm.py --resume        # continue an interrupted run
+
+The default run (tiny preset, 1000 steps of 16 x 128 bytes) takes the held-out loss from
+ln 256 = 5.55 to about 1.6 nats per byte. The small preset (23M parameters) is sized for a GPU;
+on this 1 MB corpus it starts to overfit after ~200 steps of 16k bytes, hence its default of 250.
+
+`--workdir` (default `runs/hybrid_lm`) receives `metrics.jsonl` (one JSON object per logged
+step), `loss.png`, `samples.txt` and `checkpoints/`.
+"""
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # `python examples/train_hybrid_lm.py` from anywhere
+    sys.path.insert(0, str(REPO_ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from flax import nnx  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from flax_layers import HybridLM, HybridLMConfig  # noqa: E402
+from pallas_kernels import _compat  # noqa: E402
+
+_compat.silence_triton_deprecation()
+
+DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
+DEFAULT_PROMPTS = ("ROMEO:\n", "First Citizen:\nWe are", "To be, or not to be")
+VOCAB_SIZE = 256  # one token per byte
+
+# Vendor peak dense bf16 tensor FLOP/s (no sparsity), matched as substrings of
+# `jax.devices()[0].device_kind`, most specific first. Unknown devices report MFU "n/a".
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),  # also GH200
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("MI300X", 1307e12),
+    ("MI325X", 1307e12),
+    ("MI250X", 383e12),
+)
+
+# Flags whose defaults depend on --preset: the tiny model trains on a CPU in minutes, the small
+# one is sized for a GPU.
+PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
+    "tiny": {"batch_size": 16, "seq_len": 128, "lr": 3e-3, "steps": 1000},
+    # 23M parameters overfit the 1 MB corpus after ~3 epochs (~200 steps of 16k tokens).
+    "small": {"batch_size": 32, "seq_len": 512, "lr": 1e-3, "steps": 250},
+}
+
+# Settings that define a run: resuming with a different value would not continue the same run.
+RUN_KEYS = ("preset", "override", "batch_size", "seq_len", "lr", "warmup_steps", "weight_decay",
+            "clip_norm", "seed", "eval_fraction", "dtype", "corpus_sha256")
+
+
+class UsageError(Exception):
+    """A problem with the inputs (flags, corpus, workdir) to report without a traceback."""
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
+    return value
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: ...)" only where there is a default worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface (see `parse_args`)."""
+    parser = argparse.ArgumentParser(
+        prog="train_hybrid_lm.py",
+        description="Train flax_layers.HybridLM as a byte-level language model.",
+        formatter_class=_HelpFormatter,
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--preset", choices=("tiny", "small"), default="tiny",
+                       help="HybridLMConfig preset (vocabulary forced to 256 bytes)")
+    model.add_argument("--implementation", choices=("auto", "pallas", "xla"), default="auto",
+                       help="auto: Pallas kernels on a GPU, the jnp reference elsewhere")
+    model.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
+                       help="change one HybridLMConfig field of the preset, e.g. num_layers=2 "
+                            "(repeatable)")
+    model.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                       help="compute dtype (parameters stay float32); auto: bfloat16 on a GPU")
+    data = parser.add_argument_group("data")
+    data.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="a text file")
+    data.add_argument("--eval-fraction", type=_fraction, default=0.1,
+                      help="the last part of the corpus held out for evaluation")
+    data.add_argument("--batch-size", type=_positive_int, default=None,
+                      help="windows per step (default: 16 for tiny, 32 for small)")
+    data.add_argument("--seq-len", type=_positive_int, default=None,
+                      help="bytes per training window (default: 128 for tiny, 512 for small)")
+    opt = parser.add_argument_group("optimisation")
+    opt.add_argument("--steps", type=_positive_int, default=None,
+                     help="train until this many optimizer steps in total (default: 1000 for "
+                          "tiny, 250 for small)")
+    opt.add_argument("--lr", type=_positive_float, default=None,
+                     help="peak learning rate (default: 3e-3 for tiny, 1e-3 for small)")
+    opt.add_argument("--warmup-steps", type=_non_negative_int, default=50,
+                     help="steps of linear learning-rate warmup from 0")
+    opt.add_argument("--schedule-steps", type=_positive_int, default=None,
+                     help="length of the warmup + cosine schedule (default: --steps; on "
+                          "--resume: the checkpoint's). Set it to the final step count when "
+                          "training in parts")
+    opt.add_argument("--weight-decay", type=_non_negative_float, default=0.1,
+                     help="AdamW decoupled weight decay (matrices only)")
+    opt.add_argument("--clip-norm", type=_positive_float, default=1.0,
+                     help="global gradient-norm clip")
+    opt.add_argument("--seed", type=int, default=0, help="parameters, data order and sampling")
+    run = parser.add_argument_group("logging and checkpoints")
+    run.add_argument("--workdir", type=Path, default=Path("runs/hybrid_lm"),
+                     help="where metrics.jsonl, loss.png, samples.txt and checkpoints/ go")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the latest checkpoint in --workdir")
+    run.add_argument("--log-every", type=_positive_int, default=10,
+                     help="steps per metrics.jsonl record (loss averaged over them)")
+    run.add_argument("--eval-every", type=_positive_int, default=100,
+                     help="steps between eval losses (and at the last step)")
+    run.add_argument("--eval-batches", type=_positive_int, default=8,
+                     help="batches of held-out windows per evaluation")
+    run.add_argument("--checkpoint-every", type=_positive_int, default=250,
+                     help="steps between checkpoints (and at the last step)")
+    run.add_argument("--keep-checkpoints", type=_positive_int, default=2,
+                     help="how many of the newest checkpoints to keep")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sample = parser.add_argument_group("samples")
+    sample.add_argument("--sample-tokens", type=_non_negative_int, default=300,
+                        help="bytes generated per prompt at the end (0: no samples)")
+    sample.add_argument("--temperature", type=_non_negative_float, default=0.8,
+                        help="sampling temperature (0: always the most likely byte)")
+    sample.add_argument("--prompt", action="append", default=None, dest="prompts",
+                        help="a prompt to continue (repeatable; default: three Shakespeare lines)")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses and checks the flags; bad flags exit with status 2 and a usage message."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.prompts is not None and any(not p for p in args.prompts):
+        parser.error("--prompt must not be empty")
+    try:
+        args.override = parse_overrides(args.override)
+    except ValueError as exc:
+        parser.error(f"--override: {exc}")
+    if args.prompts is None:
+        args.prompts = list(DEFAULT_PROMPTS)
+    for name, value in PRESET_DEFAULTS[args.preset].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+# Config fields that --override may change (the vocabulary, dtype and implementation have flags).
+OVERRIDABLE = {f.name: type(f.default) for f in dataclasses.fields(HybridLMConfig)
+               if f.name not in ("vocab_size", "dtype", "implementation")}
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, int | float]:
+    """["num_layers=2", ...] -> {"num_layers": 2, ...}, typed like the config's fields."""
+    overrides = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in OVERRIDABLE:
+            raise ValueError(f"expected FIELD=VALUE with FIELD one of {sorted(OVERRIDABLE)}, "
+                             f"got {item!r}")
+        try:
+            value = OVERRIDABLE[name](text)
+        except ValueError:
+            kind = "an integer" if OVERRIDABLE[name] is int else "a number"
+            raise ValueError(f"{name} must be {kind}, got {text!r}") from None
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {text!r}")
+        overrides[name] = value
+    return overrides
+
+
+# --------------------------------------------------------------------------- data
+
+
+def load_corpus(path: str | Path) -> np.ndarray:
+    """The file's bytes as a uint8 array (the token ids). Raises UsageError if unusable."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"corpus file not found: {path}")
+    if not path.is_file():
+        raise UsageError(f"corpus is not a file: {path}")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read corpus {path}: {exc.strerror or exc}") from None
+    if not data:
+        raise UsageError(f"corpus file is empty: {path}")
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def split_corpus(tokens: np.ndarray, eval_fraction: float,
+                 seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, eval): the last `eval_fraction` of the tokens is held out.
+
+    Each part must hold at least one window of `seq_len + 1` tokens (inputs plus the next-token
+    targets), else UsageError.
+    """
+    n_eval = int(len(tokens) * eval_fraction)
+    train, held_out = tokens[:len(tokens) - n_eval], tokens[len(tokens) - n_eval:]
+    for name, part in (("training", train), ("evaluation", held_out)):
+        if len(part) < seq_len + 1:
+            raise UsageError(
+                f"corpus too small: its {name} split has {len(part)} bytes, fewer than "
+                f"--seq-len + 1 = {seq_len + 1} (corpus {len(tokens)} bytes, eval fraction "
+                f"{eval_fraction}); use a larger corpus or a shorter --seq-len")
+    return train, held_out
+
+
+class BatchSampler:
+    """Random training windows: each batch is (batch_size, seq_len + 1) int32 token ids whose
+    start offsets are drawn uniformly by a seeded numpy Generator (PCG64).
+
+    `state()` / `set_state()` give the Generator's state as plain JSON-serialisable data, which
+    the checkpoint stores so that a resumed run draws the same batches.
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
+        if len(tokens) < seq_len + 1:
+            raise ValueError(f"need at least {seq_len + 1} tokens, got {len(tokens)}")
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+        self._offsets = np.arange(seq_len + 1)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        starts = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+        return self.tokens[starts[:, None] + self._offsets].astype(np.int32)
+
+    def state(self) -> dict[str, Any]:
+        return self.rng.bit_generator.state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state
+
+
+def make_batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int) -> BatchSampler:
+    """An endless iterator of shuffled training batches (see BatchSampler)."""
+    return BatchSampler(tokens, batch_size, seq_len, seed)
+
+
+def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
+                 num_batches: int) -> list[np.ndarray]:
+    """Fixed evaluation batches: windows at evenly spaced offsets of the held-out tokens, the
+    same at every evaluation so that eval losses are comparable."""
+    starts = np.linspace(0, len(tokens) - seq_len - 1, num=batch_size * num_batches)
+    windows = tokens[starts.astype(np.int64)[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+    return list(windows.reshape(num_batches, batch_size, seq_len + 1))
+
+
+# --------------------------------------------------------------------------- model and steps
+
+
+def on_gpu() -> bool:
+    return jax.devices()[0].platform in ("gpu", "cuda", "rocm")
+
+
+def make_config(preset: str, implementation: str = "auto", dtype: str = "auto",
+                overrides: dict[str, Any] | None = None) -> HybridLMConfig:
+    """The preset with a 256-byte vocabulary, the implementation (auto -> None: kernels on a GPU,
+    the reference elsewhere), the compute dtype (auto -> bfloat16 on a GPU, else float32) and
+    any field overrides. Raises UsageError for an inconsistent configuration."""
+    config = HybridLMConfig.preset(preset, **(overrides or {}))
+    if config.num_layers % config.shared_every:
+        raise UsageError(f"num_layers ({config.num_layers}) must be a multiple of shared_every "
+                         f"({config.shared_every})")
+    if (config.expand * config.d_model) % config.headdim:
+        raise UsageError(f"expand * d_model ({config.expand * config.d_model}) must be a "
+                         f"multiple of headdim ({config.headdim})")
+    if dtype == "auto":
+        dtype = "bfloat16" if on_gpu() else "float32"
+    return dataclasses.replace(
+        config, vocab_size=VOCAB_SIZE,
+        implementation=None if implementation == "auto" else implementation,
+        dtype=jnp.bfloat16 if dtype == "bfloat16" else None)
+
+
+def make_optimizer(lr: float, warmup_steps: int, schedule_steps: int, weight_decay: float,
+                   clip_norm: float) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW (b2 0.95) on a linear warmup to `lr` then cosine decay to lr / 10 at
+    `schedule_steps`, after global-norm clipping. Norm scales and biases (1-D parameters) get no
+    weight decay."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=lr, warmup_steps=warmup_steps,
+        decay_steps=max(schedule_steps, warmup_steps + 1), end_value=lr / 10)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    tx = optax.chain(
+        optax.clip_by_global_norm(clip_norm),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask),
+    )
+    return tx, schedule
+
+
+def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array) -> jax.Array:
+    """Mean cross-entropy (nats per byte) of predicting batch[:, 1:] from batch[:, :-1]."""
+    model = nnx.merge(graphdef, params)
+    logits = model(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
+    """(train_step, eval_step), jit-compiled.
+
+    train_step(params, opt_state, batch) -> (params, opt_state, loss) donates params and
+    optimizer state; eval_step(params, batch) -> loss.
+    """
+
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(next_token_loss, argnums=1)(graphdef, params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def eval_step(params, batch):
+        return next_token_loss(graphdef, params, batch)
+
+    return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
+
+
+def count_params(params: nnx.State) -> int:
+    return int(sum(x.size for x in jax.tree.leaves(params)))
+
+
+def model_flops_per_token(config: HybridLMConfig, params: nnx.State, seq_len: int) -> float:
+    """Approximate training FLOPs (forward + backward) per token.
+
+    6 x the parameters each token multiplies with (the shared block counts once per use, the tied
+    embedding once as the LM head), plus causal attention (6 x T x heads x head_dim per use,
+    the PaLM formula halved for causality), plus the chunked SSD scan of each Mamba2 block
+    (forward ~ G*Q*N + H*(Q*P + 4*N*P) per token for chunk Q, state N, head dim P; x3 with
+    the backward).
+    """
+    uses = config.num_layers // config.shared_every
+    shared = count_params(params["shared"])
+    matmul_params = count_params(params) + (uses - 1) * shared
+    attention = 6 * uses * seq_len * config.num_heads * config.head_dim
+    d_inner = config.expand * config.d_model
+    heads = d_inner // config.headdim
+    q, n, p = min(config.chunk_size, seq_len), config.d_state, config.headdim
+    ssd = 3 * config.num_layers * (config.ngroups * q * n + heads * (q * p + 4 * n * p))
+    return float(6 * matmul_params + attention + ssd)
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak dense bf16 FLOP/s of a known accelerator, else None."""
+    for name, flops in PEAK_BF16_FLOPS:
+        if name.lower() in device_kind.lower():
+            return flops
+    return None
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_manager(directory: Path, keep: int) -> ocp.CheckpointManager:
+    """Synchronous orbax checkpoints (the train step donates its buffers, so each save finishes
+    before training continues), the newest `keep` kept."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=False)
+    return ocp.CheckpointManager(directory.resolve(), options=options)
+
+
+def save_checkpoint(manager: ocp.CheckpointManager, step: int, params: nnx.State, opt_state: Any,
+                    sampler: BatchSampler, run_config: dict[str, Any]) -> None:
+    """Saves parameters and optimizer state (arrays) and step, data RNG state and the run's
+    settings (JSON) under `step`."""
+    meta = {"step": step, "data_rng": sampler.state(), "run_config": run_config}
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+        meta=ocp.args.JsonSave(meta)), force=True)
+    manager.wait_until_finished()
+
+
+def restore_checkpoint(manager: ocp.CheckpointManager, params: nnx.State,
+                       opt_state: Any) -> tuple[int, nnx.State, Any, dict[str, Any]]:
+    """(step, params, opt_state, meta) of the latest checkpoint, restored into the structure of
+    the given (freshly initialised) `params` and `opt_state`."""
+    step = manager.latest_step()
+    target = {"params": params, "opt_state": opt_state}
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    state, meta = restored["state"], restored["meta"]
+    return step, state["params"], state["opt_state"], meta
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_losses(records: Sequence[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Training and eval loss against step, as a PNG (Agg renderer; no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2)
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="eval loss", lw=1.5, ms=4)
+    ax.axhline(math.log(VOCAB_SIZE), color="gray", ls=":", lw=1, label="ln 256 (uniform)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_title(title or "HybridLM, byte-level")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def generate_samples(graphdef: nnx.GraphDef, params: nnx.State, prompts: Sequence[str],
+                     max_new_tokens: int, temperature: float, seed: int) -> list[str]:
+    """Continues each prompt by `max_new_tokens` bytes through the model's decode caches;
+    returns prompt + continuation, decoded as UTF-8 with errors replaced."""
+    model = nnx.merge(graphdef, params)
+    keys = jax.random.split(jax.random.key(seed), len(prompts))
+    samples = []
+    for prompt, key in zip(prompts, keys, strict=True):
+        prompt_bytes = prompt.encode("utf-8")
+        tokens = jnp.asarray(np.frombuffer(prompt_bytes, np.uint8)[None].astype(np.int32))
+        new = model.generate(tokens, max_new_tokens, temperature=temperature, rng=key)
+        samples.append((prompt_bytes + bytes(np.asarray(new[0]).astype(np.uint8).tolist()))
+                       .decode("utf-8", errors="replace"))
+    return samples
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _sha256(tokens: np.ndarray) -> str:
+    return hashlib.sha256(tokens.tobytes()).hexdigest()
+
+
+def _check_resume(run_config: dict[str, Any], saved: dict[str, Any]) -> None:
+    diffs = [f"{key}: {run_config[key]!r} now, {saved.get(key)!r} in the checkpoint"
+             for key in RUN_KEYS if saved.get(key) != run_config[key]]
+    if diffs:
+        raise UsageError("--resume with settings that differ from the checkpoint's ("
+                         + "; ".join(diffs) + "); resume with the same flags or use a new "
+                         "--workdir")
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Trains (or resumes) as the flags say; writes the workdir's outputs; returns a summary.
+
+    Summary keys: steps, start_step, n_params, initial_eval_loss (None when resumed),
+    final_eval_loss, final_loss, tokens_per_s, mfu (None when unknown), flops_per_token,
+    device_kind, wall_s, workdir, records (all of metrics.jsonl), samples, model (the trained
+    HybridLM).
+    Raises UsageError for unusable inputs.
+    """
+    t_start = time.perf_counter()
+    tokens = load_corpus(args.corpus)
+    train_tokens, eval_tokens = split_corpus(tokens, args.eval_fraction, args.seq_len)
+    config = make_config(args.preset, args.implementation, args.dtype, args.override)
+    workdir = Path(args.workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise UsageError(f"--workdir is not a directory: {workdir}")
+    ckpt_dir = workdir / "checkpoints"
+    metrics_path = workdir / "metrics.jsonl"
+    run_config = {
+        "preset": args.preset, "override": args.override, "batch_size": args.batch_size,
+        "seq_len": args.seq_len, "lr": args.lr, "warmup_steps": args.warmup_steps,
+        "weight_decay": args.weight_decay, "clip_norm": args.clip_norm, "seed": args.seed,
+        "eval_fraction": args.eval_fraction,
+        "dtype": "bfloat16" if config.dtype == jnp.bfloat16 else "float32",
+        "corpus_sha256": _sha256(tokens), "schedule_steps": args.schedule_steps or args.steps,
+    }
+
+    start_step, records = 0, []
+    if args.resume:
+        manager = checkpoint_manager(ckpt_dir, args.keep_checkpoints) if ckpt_dir.exists() else None
+        if manager is None or manager.latest_step() is None:
+            raise UsageError(f"--resume: no checkpoint in {ckpt_dir}")
+        saved = manager.restore(manager.latest_step(),
+                                args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        _check_resume(run_config, saved["run_config"])
+        if args.schedule_steps is None:
+            run_config["schedule_steps"] = saved["run_config"]["schedule_steps"]
+        if saved["step"] >= args.steps:
+            raise UsageError(f"--resume: the checkpoint is at step {saved['step']}, nothing to "
+                             f"do for --steps {args.steps}; pass a larger --steps")
+    elif ckpt_dir.exists():
+        print(f"note: starting a fresh run; removing the old checkpoints in {ckpt_dir} "
+              "(pass --resume to continue them)", file=sys.stderr)
+        shutil.rmtree(ckpt_dir)
+
+    model = HybridLM(config, rngs=nnx.Rngs(args.seed))
+    graphdef, params = nnx.split(model)
+    del model
+    sampler = make_batches(train_tokens, args.batch_size, args.seq_len, args.seed)
+    eval_set = [jnp.asarray(b) for b in eval_batches(eval_tokens, args.batch_size, args.seq_len,
+                                                     args.eval_batches)]
+    tx, schedule = make_optimizer(args.lr, args.warmup_steps, run_config["schedule_steps"],
+                                  args.weight_decay, args.clip_norm)
+    opt_state = tx.init(params)
+    workdir.mkdir(parents=True, exist_ok=True)
+    manager = checkpoint_manager(ckpt_dir, args.keep_checkpoints)
+    if args.resume:
+        start_step, params, opt_state, meta = restore_checkpoint(manager, params, opt_state)
+        sampler.set_state(meta["data_rng"])
+        records = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
+    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    train_step, eval_step = make_steps(graphdef, tx)
+    n_params = count_params(params)
+    device_kind = jax.devices()[0].device_kind
+    flops_per_token = model_flops_per_token(config, params, args.seq_len)
+    peak = peak_flops(device_kind)
+    impl = config.implementation or ("pallas" if on_gpu() else "xla")
+    print(f"HybridLM {args.preset}: {n_params:,} parameters, {run_config['dtype']} compute, "
+          f"{impl} kernels on {device_kind}; corpus {len(tokens):,} bytes "
+          f"({len(train_tokens):,} train / {len(eval_tokens):,} eval); "
+          f"steps {start_step} -> {args.steps}, batch {args.batch_size} x {args.seq_len}",
+          flush=True)
+
+    # Compile ahead of time so that the first logged tokens/s is not the compile time.
+    t_compile = time.perf_counter()
+    batch_shape = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32)
+    train_step = train_step.lower(params, opt_state, batch_shape).compile()
+    eval_step = eval_step.lower(params, batch_shape).compile()
+    print(f"compiled in {time.perf_counter() - t_compile:.1f} s", flush=True)
+
+    def evaluate(params) -> float:
+        return float(np.mean([float(eval_step(params, b)) for b in eval_set]))
+
+    def log(record: dict[str, Any]) -> None:
+        records.append(record)
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    initial_eval = None
+    if start_step == 0:
+        # Step 0: the untrained model's eval loss and its loss on the first training batch
+        # (peeked: the sampler is put back, so step 1 trains on that same batch).
+        initial_eval = evaluate(params)
+        rng_state = sampler.state()
+        first_loss = float(eval_step(params, jnp.asarray(next(sampler))))
+        sampler.set_state(rng_state)
+        log({"step": 0, "loss": first_loss, "eval_loss": initial_eval, "lr": float(schedule(0))})
+
+    tokens_per_step = args.batch_size * args.seq_len
+    bar = tqdm(total=args.steps, initial=start_step, disable=args.no_progress, unit="step",
+               dynamic_ncols=True, desc="train")
+    window_losses, window_start, last = [], time.perf_counter(), {}
+    total_time, total_tokens, untimed = 0.0, 0, 0
+    for step in range(start_step + 1, args.steps + 1):
+        # Drawing the next batch overlaps with the device still running the previous step.
+        batch = jnp.asarray(next(sampler))
+        params, opt_state, loss = train_step(params, opt_state, batch)
+        window_losses.append(loss)
+        if step == start_step + 1:  # the first run of a compiled step is slower: not timed
+            jax.block_until_ready(loss)
+            window_start, untimed = time.perf_counter(), 1
+        evaluate_now = step % args.eval_every == 0 or step == args.steps
+        if step % args.log_every == 0 or evaluate_now:
+            mean_loss = float(jnp.mean(jnp.stack(window_losses)))  # waits for the device
+            elapsed = time.perf_counter() - window_start
+            window_tokens = (len(window_losses) - untimed) * tokens_per_step
+            tokens_per_s = window_tokens / elapsed if window_tokens else float("nan")
+            total_time += elapsed
+            total_tokens += window_tokens
+            untimed = 0
+            record = {"step": step, "loss": mean_loss, "lr": float(schedule(step - 1)),
+                      "tokens_per_s": None if math.isnan(tokens_per_s) else round(tokens_per_s, 1)}
+            if peak and not math.isnan(tokens_per_s):
+                record["mfu"] = round(tokens_per_s * flops_per_token / peak, 4)
+            if evaluate_now:
+                record["eval_loss"] = evaluate(params)
+                bar.write(f"step {step}: eval loss {record['eval_loss']:.4f}")
+            log(record)
+            last = record
+            postfix = {"loss": f"{mean_loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
+            if "mfu" in record:
+                postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
+            bar.set_postfix(postfix, refresh=False)
+            window_losses, window_start = [], time.perf_counter()
+        bar.update(1)
+        if step % args.checkpoint_every == 0 or step == args.steps:
+            jax.block_until_ready(params)  # steps still running count as training time
+            t_save = time.perf_counter()
+            save_checkpoint(manager, step, params, opt_state, sampler, run_config)
+            window_start += time.perf_counter() - t_save  # not counted in tokens/s
+    bar.close()
+
+    tokens_per_s = total_tokens / total_time if total_time else float("nan")
+    mfu = tokens_per_s * flops_per_token / peak if peak else None
+    print(f"throughput {tokens_per_s:,.0f} tokens/s; model FLOPs/token {flops_per_token:.3g}; "
+          f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
+          + ("" if peak else f" (no peak FLOP/s known for {device_kind!r})"), flush=True)
+    final_eval = last.get("eval_loss")
+    if initial_eval is not None:
+        print(f"eval loss {initial_eval:.4f} -> {final_eval:.4f} nats/byte "
+              f"(uniform: ln 256 = {math.log(VOCAB_SIZE):.4f})", flush=True)
+    else:
+        print(f"eval loss {final_eval:.4f} nats/byte", flush=True)
+
+    all_records = read_metrics(metrics_path)
+    plot_losses(all_records, workdir / "loss.png",
+                f"HybridLM {args.preset}, byte-level, {Path(args.corpus).name}")
+    samples = []
+    if args.sample_tokens:
+        samples = generate_samples(graphdef, params, args.prompts, args.sample_tokens,
+                                   args.temperature, args.seed)
+        text = "".join(f"=== sample {i + 1}, prompt {p!r}, step {args.steps}, temperature "
+                       f"{args.temperature} ===\n{s}\n\n"
+                       for i, (p, s) in enumerate(zip(args.prompts, samples, strict=True)))
+        (workdir / "samples.txt").write_text(text, encoding="utf-8")
+        print(f"--- sample ---\n{samples[0]}\n---", flush=True)
+    wall = time.perf_counter() - t_start
+    print(f"done in {wall:.1f} s; outputs in {workdir}", flush=True)
+    return {
+        "steps": args.steps, "start_step": start_step, "n_params": n_params,
+        "initial_eval_loss": initial_eval, "final_eval_loss": final_eval,
+        "final_loss": last.get("loss"), "tokens_per_s": tokens_per_s, "mfu": mfu,
+        "flops_per_token": flops_per_token, "device_kind": device_kind, "wall_s": wall,
+        "workdir": str(workdir), "records": all_records, "samples": samples,
+        "model": nnx.merge(graphdef, params),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point: 0 on success, 2 for unusable flags or inputs."""
+    args = parse_args(argv)
+    try:
+        train(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; continue from the last checkpoint with --resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
