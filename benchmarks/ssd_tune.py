@@ -73,11 +73,12 @@ def time_parts(shape, block_t, blocks, operands, interpret):
         states_fn = run(lambda *a: forward.forward(
             *a, None, None, None, None, static=static, emit="states")[0])
         parts["states"] = time_call(states_fn, x, dt_step, s, B, C)
-        parts["state_gradients"] = time_call(run(lambda *a: backward.state_gradients(
-            *a, None, None, static=static)[0]), dy, s, C)
         states = states_fn(x, dt_step, s, B, C)
+        parts["state_gradients"] = time_call(run(lambda *a: backward.state_gradients(
+            *a, static=static)[:2]), dy, s, C, None, None, states)
+        passing = jnp.zeros((shape.batch, shape.heads, static.num_chunks), jnp.float32)
         parts["chunk_gradients"] = time_call(run(lambda *a: backward.chunk_gradients(
-            *a, static=static)), x, dy, dt_step, s, B, C, None, d, states, states)
+            *a, static=static)), x, dy, dt_step, s, B, C, None, d, states, states, passing)
     except Exception as error:  # noqa: BLE001 - a tile that fails to compile is a result
         parts["error"] = f"{type(error).__name__}: {str(error)[:200]}"
     return parts

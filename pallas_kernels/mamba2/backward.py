@@ -4,7 +4,8 @@ After the forward kernel recomputes the state entering each chunk (`forward(emit
 
 * `state_gradients`: one program per (batch row, head, head-dim block) walks the chunks in
   reverse, G <- dH_local + exp(s_last) G, writing G (the gradient of the state leaving each
-  chunk) and the initial-state gradient.
+  chunk), the initial-state gradient and the per-chunk state-passing term of the log-decay
+  gradient, exp(s_last) <G, H>, while G is in registers.
 * `chunk_gradients`: one program per (chunk, block of one group's heads, batch row) loops over
   its heads. It computes C B^T once, writes dx and two per-token float32 vectors per head (the
   dt' term of dx and the gradient of the log decay a = dt' A, chunk-local thanks to G). For dB
@@ -27,11 +28,11 @@ from pallas_kernels import _compat
 from pallas_kernels.mamba2 import common
 
 
-def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final):
+def _state_gradients_kernel(dy_ref, s_ref, c_ref, states_ref, *refs, static, has_final):
     refs = list(refs)
     seq_ref = refs.pop(0) if static.has_seq_idx else None
     dfinal_ref = refs.pop(0) if has_final else None
-    gstates_ref, dh0_ref = refs
+    gstates_ref, passing_ref, dh0_ref = refs
     nc = static.num_chunks
 
     def chunk(i, grad):
@@ -41,6 +42,10 @@ def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final):
         dy = dy_ref[tok, :]
         cmat = c_ref[tok, :]
         masks = common.chunk_masks(c, s_ref, seq_ref, static)
+        # The state-passing term of the log-decay gradient: exp(s_last) <G, H entering>.
+        # One axis at a time: a two-axis reduction fails to lower under an abstract mesh.
+        overlap = jnp.sum(grad * states_ref[c].astype(jnp.float32), axis=1)
+        passing_ref[c] = masks.chunk_decay * jnp.sum(overlap, axis=0)
         dy_weighted = (dy.astype(jnp.float32) * masks.from_start[:, None]).astype(cmat.dtype)
         local = jnp.dot(dy_weighted.T, cmat, preferred_element_type=jnp.float32)  # (P, N)
         return local + masks.chunk_decay * grad
@@ -53,11 +58,14 @@ def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final):
     dh0_ref[...] = jax.lax.fori_loop(0, nc, chunk, grad)
 
 
-def state_gradients(dy, s, c, seq, dfinal, *, static):
-    """Gradients of the chunk-leaving states, (B, nc, H, Pp, Np) in dy's dtype, and of h0.
+def state_gradients(dy, s, c, seq, dfinal, states, *, static):
+    """Gradients of the chunk-leaving states and of h0, and the state-passing decay term.
 
     dy (B, Tp, H, Pp) is the gradient of the pre-gate output; s (B, H, Tp); c (B, Tp, G, Np);
-    seq (B, Tp) or None; dfinal (B, H, Pp, Np) float32 or None. Returns (gstates, dh0 float32).
+    seq (B, Tp) or None; dfinal (B, H, Pp, Np) float32 or None; states (B, nc, H, Pp, Np), the
+    states entering each chunk. Returns gstates (B, nc, H, Pp, Np) in dy's dtype, passing
+    (B, H, nc) float32 (exp(s_last) <G, H> per chunk: the gradient of each of the chunk's
+    log-decays through the state passed on) and dh0 (B, H, Pp, Np) float32.
     """
     batch, t_pad, heads, p_pad = dy.shape
     n_pad = c.shape[-1]
@@ -69,29 +77,33 @@ def state_gradients(dy, s, c, seq, dfinal, *, static):
         pl.BlockSpec((None, None, t_pad), lambda p, h, i: (i, h, 0)),
         pl.BlockSpec((None, t_pad, None, n_pad), lambda p, h, i: (i, 0, h // hpg, 0)),
     ]
-    args = [dy, s, c]
+    in_specs.append(pl.BlockSpec((None, nc, None, bp, n_pad), lambda p, h, i: (i, 0, h, p, 0)))
+    args = [dy, s, c, states]
     if static.has_seq_idx:
         in_specs.append(pl.BlockSpec((None, t_pad), lambda p, h, i: (i, 0)))
         args.append(seq)
     if dfinal is not None:
         in_specs.append(state_spec)
         args.append(dfinal)
-    return pl.pallas_call(
+    gstates, passing, dh0 = pl.pallas_call(
         functools.partial(_state_gradients_kernel, static=static, has_final=dfinal is not None),
         grid=(p_pad // bp, heads, batch),
         in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, nc, None, bp, n_pad), lambda p, h, i: (i, 0, h, p, 0)),
+            pl.BlockSpec((None, None, None, nc), lambda p, h, i: (i, h, p, 0)),
             state_spec,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), dy.dtype),
+            jax.ShapeDtypeStruct((batch, heads, p_pad // bp, nc), jnp.float32),
             jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32),
         ],
         compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
         interpret=static.interpret,
         name="ssd_state_gradients",
     )(*args)
+    return gstates, passing.sum(axis=2), dh0
 
 
 def _chunk_gradients_kernel(
@@ -110,7 +122,6 @@ def _chunk_gradients_kernel(
     q = static.block_t
     row = jnp.arange(q, dtype=jnp.int32)[:, None]
     col = jnp.arange(q, dtype=jnp.int32)[None, :]
-    before = (row < col).astype(jnp.float32)  # before[j, t] = [j < t]
     at_or_after = row >= col  # at_or_after[l, t] = [l >= t]
 
     def head(j, dscores_sum):
@@ -138,22 +149,22 @@ def _chunk_gradients_kernel(
         dy_from_start_ref[:, j, :] = (dy32 * masks.from_start[:, None]).astype(dtype)
         dscores = masks.decay * jnp.dot(dy, x_bar.T, preferred_element_type=jnp.float32)
 
-        # Gradient of the log-decay a_t, in mamba_ssm's three non-cancelling parts:
-        # intra-chunk sum_{l>=t} sum_{j<t} M[l, j] with M = C B^T o L o (dY xbar^T); the chunk
-        # state sum_{j<t} dB_state_j . B_j; the carried state sum_{l>=t} dY_l . Y_off_l, plus
-        # the passing term exp(s_last) <G, H> for every t. The dot products with B and C run
-        # over P: dB_state_j . B_j = to_end_j xbar_j . (B G^T)_j, dC_state_l . C_l likewise.
-        prefix = jnp.dot(scores * dscores, before, preferred_element_type=jnp.float32)
-        intra = jnp.sum(jnp.where(at_or_after, prefix, 0.0), axis=0)
+        # Gradient of the log-decay a_t (less the state-passing term, from `state_gradients`),
+        # in mamba_ssm's non-cancelling parts: intra-chunk sum_{l>=t} sum_{j<t} M[l, j] with
+        # M = C B^T o L o (dY xbar^T); the chunk state sum_{j<t} dB_state_j . B_j; the carried
+        # state sum_{l>=t} dY_l . Y_off_l. The dot products with B and C run over P:
+        # dB_state_j . B_j = to_end_j xbar_j . (B G^T)_j and dY_l . Y_off_l = from_start_l
+        # dY_l . (C H^T)_l. Prefix sums as cumsums (exclusive: cumsum minus the term itself).
+        scores_grad = scores * dscores
+        before_t = jnp.cumsum(scores_grad, axis=1) - scores_grad  # sum_{j<t} M[l, j]
+        intra = jnp.sum(jnp.where(at_or_after, before_t, 0.0), axis=0)
         into_state = masks.to_end * jnp.sum(x_bar.astype(jnp.float32) * grad_b, axis=1)
         from_state = masks.from_start * jnp.sum(dy32 * carried, axis=1)
-        passing = jnp.sum(grad.astype(jnp.float32) * state.astype(jnp.float32), axis=1)
+        from_state_upto = jnp.cumsum(from_state)  # sum_{l<=t}
         dlog_ref[j, :] = (
             intra
-            + jnp.sum(before * into_state[:, None], axis=0)
-            + jnp.sum(jnp.where(at_or_after, from_state[:, None], 0.0), axis=0)
-            # One axis at a time: a two-axis reduction fails to lower under an abstract mesh.
-            + masks.chunk_decay * jnp.sum(passing, axis=0)
+            + (jnp.cumsum(into_state) - into_state)
+            + (jnp.sum(from_state) - from_state_upto + from_state)
         )
         return dscores_sum + dscores
 
@@ -166,13 +177,14 @@ def _chunk_gradients_kernel(
     dc_ref[...] = jnp.dot(dscores_sum.astype(dtype), b, preferred_element_type=jnp.float32)
 
 
-def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
+def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, passing, *, static):
     """dx, the per-head float32 vectors (ddt_x, dlog_decay) and the group-summed dB, dC.
 
     x, dy (B, Tp, H, Pp); dt, s (B, H, Tp) float32; b, c (B, Tp, G, Np); seq (B, Tp) or None;
-    d (H, Pp) float32 or None; states, gstates (B, nc, H, Pp, Np). Returns dx (B, Tp, H, Pp) in
-    x's dtype; ddt_x (the dt' term of dx) and dlog_decay (the gradient of a = dt' A) (B, H, Tp)
-    float32; db and dc (B, Tp, G, Np) in b's dtype.
+    d (H, Pp) float32 or None; states, gstates (B, nc, H, Pp, Np); passing (B, H, nc) float32
+    from `state_gradients`. Returns dx (B, Tp, H, Pp) in x's dtype; ddt_x (the dt' term of dx)
+    and dlog_decay (the gradient of a = dt' A) (B, H, Tp) float32; db and dc (B, Tp, G, Np) in
+    b's dtype.
 
     One program per (chunk, block of `static.heads_per_program` heads of one group, batch row).
     The head blocks' float32 partial sums and the state terms are added by XLA in a fixed order
@@ -215,12 +227,15 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
         name="ssd_chunk_gradients",
     )(*args)
 
+    # float32 inputs keep float32 products (no TF32); bf16 and fp16 run as they are.
+    precision = jax.lax.Precision.HIGHEST if b.dtype == jnp.float32 else None
+
     def state_term(scaled_tokens, chunk_states):
         # sum over the group's heads and P of (Q, P) @ (P, N) per chunk: one batched matmul.
         lhs = scaled_tokens.reshape(batch, nc, q, groups, hpg, p_pad)
         rhs = chunk_states.reshape(batch, nc, groups, hpg, p_pad, n_pad)
         out = jnp.einsum("bcqgkp,bcgkpn->bcqgn", lhs, rhs, preferred_element_type=jnp.float32,
-                         precision=jax.lax.Precision.HIGHEST)
+                         precision=precision)
         return out.reshape(batch, t_pad, groups, n_pad)
 
     def intra_term(parts):
@@ -229,4 +244,5 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
 
     db = intra_term(db_parts) + state_term(x_to_end, gstates)
     dc = intra_term(dc_parts) + state_term(dy_from_start, states)
+    dlog_decay += jnp.repeat(passing, q, axis=-1)
     return dx, ddt_x, dlog_decay, db.astype(b.dtype), dc.astype(b.dtype)
