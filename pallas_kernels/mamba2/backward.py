@@ -7,8 +7,8 @@ After the forward kernel recomputes the state entering each chunk (`forward(emit
   chunk), the initial-state gradient and the per-chunk state-passing term of the log-decay
   gradient, exp(s_last) <G, H>, while G is in registers.
 * `chunk_gradients`: one program per (chunk, block of one group's heads, batch row) loops over
-  its heads. It computes C B^T once, writes dx and two per-token float32 vectors per head (the
-  dt' term of dx and the gradient of the log decay a = dt' A, chunk-local thanks to G). For dB
+  its heads. It computes C B^T once, writes dx and per-token float32 vectors per head (the dt'
+  term of dx and the chunk-local parts of the gradient of the log decay a = dt' A). For dB
   and dC it sums the (Q, Q) score gradient over its heads (C and B are shared by the group, so
   two matmuls per program give the intra-chunk terms) and writes the decay-scaled x and dY
   that XLA contracts with the states over (heads, P) in one batched matmul per chunk (the
@@ -113,7 +113,8 @@ def _chunk_gradients_kernel(
     refs = list(refs)
     seq_ref = refs.pop(0) if static.has_seq_idx else None
     d_ref = refs.pop(0) if static.has_d else None
-    dx_ref, ddt_ref, dlog_ref, x_to_end_ref, dy_from_start_ref, db_ref, dc_ref = refs
+    (dx_ref, ddt_ref, intra_ref, into_state_ref, from_state_ref, x_to_end_ref, dy_from_start_ref,
+     db_ref, dc_ref) = refs
     c = pl.program_id(0)
     b = b_ref[...]
     cmat = c_ref[...]
@@ -123,6 +124,9 @@ def _chunk_gradients_kernel(
     row = jnp.arange(q, dtype=jnp.int32)[:, None]
     col = jnp.arange(q, dtype=jnp.int32)[None, :]
     at_or_after = row >= col  # at_or_after[l, t] = [l >= t]
+    # The prefix-sum matmul runs in bf16 (float32's range) unless the inputs are float32.
+    prefix_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+    before = (row < col).astype(prefix_dtype)  # before[j, t] = [j < t]
 
     def head(j, dscores_sum):
         x = x_ref[:, j, :]
@@ -149,23 +153,14 @@ def _chunk_gradients_kernel(
         dy_from_start_ref[:, j, :] = (dy32 * masks.from_start[:, None]).astype(dtype)
         dscores = masks.decay * jnp.dot(dy, x_bar.T, preferred_element_type=jnp.float32)
 
-        # Gradient of the log-decay a_t (less the state-passing term, from `state_gradients`),
-        # in mamba_ssm's non-cancelling parts: intra-chunk sum_{l>=t} sum_{j<t} M[l, j] with
-        # M = C B^T o L o (dY xbar^T); the chunk state sum_{j<t} dB_state_j . B_j; the carried
-        # state sum_{l>=t} dY_l . Y_off_l. The dot products with B and C run over P:
-        # dB_state_j . B_j = to_end_j xbar_j . (B G^T)_j and dY_l . Y_off_l = from_start_l
-        # dY_l . (C H^T)_l. Prefix sums as cumsums (exclusive: cumsum minus the term itself).
-        scores_grad = scores * dscores
-        before_t = jnp.cumsum(scores_grad, axis=1) - scores_grad  # sum_{j<t} M[l, j]
-        intra = jnp.sum(jnp.where(at_or_after, before_t, 0.0), axis=0)
-        into_state = masks.to_end * jnp.sum(x_bar.astype(jnp.float32) * grad_b, axis=1)
-        from_state = masks.from_start * jnp.sum(dy32 * carried, axis=1)
-        from_state_upto = jnp.cumsum(from_state)  # sum_{l<=t}
-        dlog_ref[j, :] = (
-            intra
-            + (jnp.cumsum(into_state) - into_state)
-            + (jnp.sum(from_state) - from_state_upto + from_state)
-        )
+        # The log-decay gradient's per-token parts (see `chunk_gradients`). Prefix sums over
+        # the (Q, Q) tile run as a matmul with a triangular 0/1 matrix, not a cumsum: Triton's
+        # scan across wavefronts is wrong on gfx942 (ROCm/triton#947).
+        prefix = jnp.dot((scores * dscores).astype(prefix_dtype), before,
+                         preferred_element_type=jnp.float32)  # sum_{j<t} M[l, j]
+        intra_ref[j, :] = jnp.sum(jnp.where(at_or_after, prefix, 0.0), axis=0)
+        into_state_ref[j, :] = masks.to_end * jnp.sum(x_bar.astype(jnp.float32) * grad_b, axis=1)
+        from_state_ref[j, :] = masks.from_start * jnp.sum(dy32 * carried, axis=1)
         return dscores_sum + dscores
 
     # C and B are shared by the group's heads: the intra-chunk terms of dB, dC need only the
@@ -187,8 +182,8 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, passing, *, sta
     b's dtype.
 
     One program per (chunk, block of `static.heads_per_program` heads of one group, batch row).
-    The head blocks' float32 partial sums and the state terms are added by XLA in a fixed order
-    (deterministic, no atomics).
+    The head blocks' float32 partial sums, the state terms and the log-decay gradient's prefix
+    sums are done by XLA in a fixed order (deterministic, no atomics).
     """
     batch, t_pad, heads, p_pad = x.shape
     groups, n_pad = b.shape[2], b.shape[3]
@@ -215,12 +210,13 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, passing, *, sta
     per_token = jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32)
     scaled = jax.ShapeDtypeStruct(x.shape, b.dtype)
     partial_shape = jax.ShapeDtypeStruct((batch, heads // hb, t_pad, n_pad), jnp.float32)
-    dx, ddt_x, dlog_decay, x_to_end, dy_from_start, db_parts, dc_parts = pl.pallas_call(
+    (dx, ddt_x, intra, into_state, from_state, x_to_end, dy_from_start, db_parts,
+     dc_parts) = pl.pallas_call(
         functools.partial(_chunk_gradients_kernel, static=static, heads_per_program=hb),
         grid=(nc, heads // hb, batch),
         in_specs=in_specs,
-        out_specs=[tokens, per_head_chunk, per_head_chunk, tokens, tokens, partial, partial],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), per_token, per_token, scaled, scaled,
+        out_specs=[tokens, *[per_head_chunk] * 4, tokens, tokens, partial, partial],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), *[per_token] * 4, scaled, scaled,
                    partial_shape, partial_shape],
         compiler_params=_compat.triton_params(static.grad_num_warps, static.grad_num_stages),
         interpret=static.interpret,
@@ -244,5 +240,20 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, passing, *, sta
 
     db = intra_term(db_parts) + state_term(x_to_end, gstates)
     dc = intra_term(dc_parts) + state_term(dy_from_start, states)
-    dlog_decay += jnp.repeat(passing, q, axis=-1)
+    def in_chunks(per_token):
+        return per_token.reshape(batch, heads, nc, q)
+
+    # Gradient of the log-decay a_t, in mamba_ssm's non-cancelling parts: intra-chunk
+    # sum_{l>=t} sum_{j<t} M[l, j] with M = C B^T o L o (dY xbar^T); the chunk state
+    # sum_{j<t} dB_state_j . B_j; the carried state sum_{l>=t} dY_l . Y_off_l; the state passed
+    # on, exp(s_last) <G, H>, for every t. The kernel gives the first and the per-token dot
+    # products (over P: dB_state_j . B_j = to_end_j xbar_j . (B G^T)_j, dY_l . Y_off_l =
+    # from_start_l dY_l . (C H^T)_l); the chunk-local prefix sums run here.
+    into_state, from_state = in_chunks(into_state), in_chunks(from_state)
+    dlog_decay = (
+        in_chunks(intra)
+        + jnp.cumsum(into_state, axis=-1) - into_state
+        + jax.lax.cumsum(from_state, axis=3, reverse=True)
+        + passing[..., None]
+    ).reshape(batch, heads, t_pad)
     return dx, ddt_x, dlog_decay, db.astype(b.dtype), dc.astype(b.dtype)
