@@ -60,6 +60,20 @@ def time_jax(fn, args, *, iters, warmup):
     return _timing(per_call, time.perf_counter() - start, iters)
 
 
+def amortised_seconds(fn, *args, calls=10, repeats=7):
+    """Median seconds per call of a jitted fn over `repeats` batches of `calls` back-to-back
+    calls, one sync per batch (the tuning scripts' quick amortised timing)."""
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
 def time_torch(fn, *, iters, warmup):
     """Times `fn()`, which launches CUDA work through torch; `warmup` untimed calls first."""
     import torch

@@ -15,14 +15,13 @@ import dataclasses
 import functools
 import itertools
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from benchmarks import _timing
 from pallas_kernels import _compat
 from pallas_kernels.attention import api, backward, common, forward, reference, tuning
 
@@ -36,19 +35,6 @@ CANDIDATES = {
 }
 # Matmuls per (query, key) pair relative to the forward's two.
 MATMUL_SHARE = {"forward": 1.0, "dkv": 2.0, "dq": 1.5}
-
-
-def time_call(fn, *args, calls=10, repeats=7):
-    """Median seconds per call of a jitted fn, with `calls` calls between syncs."""
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
 
 
 def attention_flops(batch, heads, t, head_dim, causal):
@@ -122,14 +108,13 @@ def make_inputs(b, t, n, k, h, causal):
 
 def sweep_kernel(kernel, b, t, n, k, h, causal, rows):
     q, kk, v, do, static = make_inputs(b, t, n, k, h, causal)
-    lens = jnp.full((b,), t, jnp.int32)
     flops = attention_flops(b, n, t, h, causal) * MATMUL_SHARE[kernel]
     for cand in CANDIDATES[kernel]:
         blocks = tuning.KernelBlocks(*cand)
         sizes = tuning.BlockSizes(blocks, blocks, blocks)
-        config = api._Config(static, sizes)
+        config = api._Config(static, sizes, (b, t, t))
         try:
-            table = api._tables(config, t, t, None, None, lens, lens, kernel)
+            table = api._tables(config, t, t, None, None, None, None, kernel)
             if kernel == "forward":
                 fn = jax.jit(lambda q, kk, v, table=table, blocks=blocks: forward.forward(
                     q, kk, v, None, None, table, static=static, blocks=blocks))
@@ -145,7 +130,7 @@ def sweep_kernel(kernel, b, t, n, k, h, causal, rows):
                              kernel_fn=kernel_fn: kernel_fn(
                     q, kk, v, do, lse, delta, None, None, table, static=static, blocks=blocks))
                 args = (q, kk, v, do, lse, delta)
-            seconds = time_call(fn, *args)
+            seconds = _timing.amortised_seconds(fn, *args)
             row = dict(kernel=kernel, shape=(b, t, n, k, h), causal=causal, blocks=cand,
                        ms=seconds * 1e3, tflops=flops / seconds / 1e12)
         except Exception as e:  # a tile that does not compile or fit is a result too
@@ -170,8 +155,8 @@ def end_to_end(b, t, n, k, h, causal, rows, block_sizes=None):
         try:
             fwd = jax.jit(fn)
             fwdbwd = jax.jit(lambda q, kk, v, fn=fn: jax.vjp(fn, q, kk, v)[1](do))
-            t_f = time_call(fwd, q, kk, v)
-            t_fb = time_call(fwdbwd, q, kk, v)
+            t_f = _timing.amortised_seconds(fwd, q, kk, v)
+            t_fb = _timing.amortised_seconds(fwdbwd, q, kk, v)
             row = dict(impl=name, shape=(b, t, n, k, h), causal=causal, fwd_ms=t_f * 1e3,
                        fwdbwd_ms=t_fb * 1e3, fwd_tflops=flops / t_f / 1e12,
                        fwdbwd_tflops=3.5 * flops / t_fb / 1e12)

@@ -14,15 +14,13 @@ import argparse
 import dataclasses
 import itertools
 import json
-import statistics
-import time
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from benchmarks import ssd
+from benchmarks import _timing, ssd
 from pallas_kernels import _compat
 from pallas_kernels.mamba2 import api, backward, common, forward, reference, tuning
 
@@ -31,17 +29,9 @@ SCAN_CANDIDATES = list(itertools.product((32, 64), (4, 8), (1, 2)))  # block_p, 
 GRAD_CANDIDATES = list(itertools.product((8, 16, 40), (4, 8), (1, 2)))  # heads, warps, stages
 
 
-def time_call(fn, *args, calls=10, repeats=5):
-    """Median milliseconds per call of a jitted fn, with `calls` calls between syncs."""
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / calls)
-    return 1e3 * statistics.median(samples)
+def time_call(fn, *args):
+    """Median milliseconds per call, amortised over 10 back-to-back calls."""
+    return 1e3 * _timing.amortised_seconds(fn, *args, repeats=5)
 
 
 def static_for(blocks, shape, block_t, interpret=False):
