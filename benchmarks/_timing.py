@@ -10,9 +10,11 @@ Two timings of each benchmarked function:
 
 import dataclasses
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import os
+import pathlib
 import platform
 import shlex
 import statistics
@@ -119,6 +121,16 @@ def _git_commit():
     return result.stdout.strip()
 
 
+def source_digest():
+    """sha256 of the package sources (path and bytes of every .py under pallas_kernels/ and
+    flax_layers/): names the code that ran even where the machine's git metadata is stale."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted((*root.glob("pallas_kernels/**/*.py"), *root.glob("flax_layers/**/*.py"))):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def environment_info(module):
     """Versions, device and command line (`python -m module ...`) for a results file's header."""
     device = jax.devices()[0]
@@ -127,6 +139,7 @@ def environment_info(module):
         "command": shlex.join(["python", "-m", module, *sys.argv[1:]]),
         "argv": sys.argv,
         "git_commit": _git_commit(),
+        "source_sha256": source_digest(),
         "python": platform.python_version(),
         "versions": {
             name: _version(name)
