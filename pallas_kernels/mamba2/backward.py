@@ -240,6 +240,7 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, passing, *, sta
 
     db = intra_term(db_parts) + state_term(x_to_end, gstates)
     dc = intra_term(dc_parts) + state_term(dy_from_start, states)
+
     def in_chunks(per_token):
         return per_token.reshape(batch, heads, nc, q)
 
