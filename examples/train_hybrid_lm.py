@@ -335,10 +335,6 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
 # --------------------------------------------------------------------------- model and steps
 
 
-def on_gpu() -> bool:
-    return jax.devices()[0].platform in ("gpu", "cuda", "rocm")
-
-
 def make_config(preset: str, implementation: str = "auto", dtype: str = "auto",
                 overrides: dict[str, Any] | None = None) -> HybridLMConfig:
     """The preset with a 256-byte vocabulary, the implementation (auto -> None: kernels on a GPU,
@@ -352,7 +348,7 @@ def make_config(preset: str, implementation: str = "auto", dtype: str = "auto",
         raise UsageError(f"expand * d_model ({config.expand * config.d_model}) must be a "
                          f"multiple of headdim ({config.headdim})")
     if dtype == "auto":
-        dtype = "bfloat16" if on_gpu() else "float32"
+        dtype = "bfloat16" if _compat.targets_gpu() else "float32"
     return dataclasses.replace(
         config, vocab_size=VOCAB_SIZE,
         implementation=None if implementation == "auto" else implementation,
@@ -599,7 +595,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     device_kind = jax.devices()[0].device_kind
     flops_per_token = model_flops_per_token(config, params, args.seq_len)
     peak = peak_flops(device_kind)
-    impl = config.implementation or ("pallas" if on_gpu() else "xla")
+    impl = config.implementation or ("pallas" if _compat.targets_gpu() else "xla")
     print(f"HybridLM {args.preset}: {n_params:,} parameters, {run_config['dtype']} compute, "
           f"{impl} kernels on {device_kind}; corpus {len(tokens):,} bytes "
           f"({len(train_tokens):,} train / {len(eval_tokens):,} eval); "

@@ -72,12 +72,13 @@ def state_gradients(dy, s, c, seq, dfinal, states, *, static):
     bp, nc = static.block_p, static.num_chunks
     hpg = heads // c.shape[2]
     state_spec = pl.BlockSpec((None, None, bp, n_pad), lambda p, h, i: (i, h, p, 0))
+    chunk_states = pl.BlockSpec((None, nc, None, bp, n_pad), lambda p, h, i: (i, 0, h, p, 0))
     in_specs = [
         pl.BlockSpec((None, t_pad, None, bp), lambda p, h, i: (i, 0, h, p)),
         pl.BlockSpec((None, None, t_pad), lambda p, h, i: (i, h, 0)),
         pl.BlockSpec((None, t_pad, None, n_pad), lambda p, h, i: (i, 0, h // hpg, 0)),
+        chunk_states,
     ]
-    in_specs.append(pl.BlockSpec((None, nc, None, bp, n_pad), lambda p, h, i: (i, 0, h, p, 0)))
     args = [dy, s, c, states]
     if static.has_seq_idx:
         in_specs.append(pl.BlockSpec((None, t_pad), lambda p, h, i: (i, 0)))
@@ -90,7 +91,7 @@ def state_gradients(dy, s, c, seq, dfinal, states, *, static):
         grid=(p_pad // bp, heads, batch),
         in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, nc, None, bp, n_pad), lambda p, h, i: (i, 0, h, p, 0)),
+            chunk_states,
             pl.BlockSpec((None, None, None, nc), lambda p, h, i: (i, h, p, 0)),
             state_spec,
         ],
