@@ -42,10 +42,10 @@ def _state_gradients_kernel(dy_ref, s_ref, c_ref, states_ref, *refs, static, has
         dy = dy_ref[tok, :]
         cmat = c_ref[tok, :]
         masks = common.chunk_masks(c, s_ref, seq_ref, static)
-        # The state-passing term of the log-decay gradient: exp(s_last) <G, H entering>.
-        # One axis at a time: a two-axis reduction fails to lower under an abstract mesh.
+        # The state-passing term of the log-decay gradient, exp(s_last) <G, H entering>, summed
+        # over N here (within each thread's rows) and over P by the caller.
         overlap = jnp.sum(grad * states_ref[c].astype(jnp.float32), axis=1)
-        passing_ref[c] = masks.chunk_decay * jnp.sum(overlap, axis=0)
+        passing_ref[c, :] = masks.chunk_decay * overlap
         dy_weighted = (dy.astype(jnp.float32) * masks.from_start[:, None]).astype(cmat.dtype)
         local = jnp.dot(dy_weighted.T, cmat, preferred_element_type=jnp.float32)  # (P, N)
         return local + masks.chunk_decay * grad
@@ -92,19 +92,19 @@ def state_gradients(dy, s, c, seq, dfinal, states, *, static):
         in_specs=in_specs,
         out_specs=[
             chunk_states,
-            pl.BlockSpec((None, None, None, nc), lambda p, h, i: (i, h, p, 0)),
+            pl.BlockSpec((None, None, nc, bp), lambda p, h, i: (i, h, 0, p)),
             state_spec,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), dy.dtype),
-            jax.ShapeDtypeStruct((batch, heads, p_pad // bp, nc), jnp.float32),
+            jax.ShapeDtypeStruct((batch, heads, nc, p_pad), jnp.float32),
             jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32),
         ],
         compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
         interpret=static.interpret,
         name="ssd_state_gradients",
     )(*args)
-    return gstates, passing.sum(axis=2), dh0
+    return gstates, passing.sum(axis=3), dh0
 
 
 def _chunk_gradients_kernel(
@@ -114,20 +114,12 @@ def _chunk_gradients_kernel(
     refs = list(refs)
     seq_ref = refs.pop(0) if static.has_seq_idx else None
     d_ref = refs.pop(0) if static.has_d else None
-    (dx_ref, ddt_ref, intra_ref, into_state_ref, from_state_ref, x_to_end_ref, dy_from_start_ref,
-     db_ref, dc_ref) = refs
+    dx_ref, ddt_ref, dcumsum_ref, into_state_ref, db_ref, dc_ref = refs
     c = pl.program_id(0)
     b = b_ref[...]
     cmat = c_ref[...]
     dtype = b.dtype
     scores = jnp.dot(cmat, b.T, preferred_element_type=jnp.float32)  # C B^T, (Q, Q)
-    q = static.block_t
-    row = jnp.arange(q, dtype=jnp.int32)[:, None]
-    col = jnp.arange(q, dtype=jnp.int32)[None, :]
-    at_or_after = row >= col  # at_or_after[l, t] = [l >= t]
-    # The prefix-sum matmul runs in bf16 (float32's range) unless the inputs are float32.
-    prefix_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
-    before = (row < col).astype(prefix_dtype)  # before[j, t] = [j < t]
 
     def head(j, dscores_sum):
         x = x_ref[:, j, :]
@@ -138,34 +130,29 @@ def _chunk_gradients_kernel(
         grad = gstates_ref[j].astype(dtype)  # (P, N): gradient of the state leaving it
         x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
         x_bar = (x32 * dt[:, None]).astype(dtype)
+        weights = (scores * masks.decay).astype(dtype)  # C B^T o L
 
         grad_b = jnp.dot(b, grad.T, preferred_element_type=jnp.float32)  # B G^T, (Q, P)
-        carried = jnp.dot(cmat, state.T, preferred_element_type=jnp.float32)  # C H^T, (Q, P)
-        dx_bar = masks.to_end[:, None] * grad_b + jnp.dot(
-            (scores * masks.decay).T.astype(dtype), dy, preferred_element_type=jnp.float32
-        )
+        dx_bar_intra = jnp.dot(weights.T, dy, preferred_element_type=jnp.float32)
+        dx_bar = masks.to_end[:, None] * grad_b + dx_bar_intra
         dx = dx_bar * dt[:, None]
         if d_ref is not None:
             dx += d_ref[j, :][None, :] * dy32
         dx_ref[:, j, :] = dx.astype(dx_ref.dtype)
         ddt_ref[j, :] = jnp.sum(dx_bar * x32, axis=1)
-        # The state terms of dB and dC, summed over the group's heads by XLA as one matmul each.
-        x_to_end_ref[:, j, :] = (x_bar.astype(jnp.float32) * masks.to_end[:, None]).astype(dtype)
-        dy_from_start_ref[:, j, :] = (dy32 * masks.from_start[:, None]).astype(dtype)
-        dscores = masks.decay * jnp.dot(dy, x_bar.T, preferred_element_type=jnp.float32)
-
-        # The log-decay gradient's per-token parts (see `chunk_gradients`). Prefix sums over
-        # the (Q, Q) tile run as a matmul with a triangular 0/1 matrix, not a cumsum: Triton's
-        # scan across wavefronts is wrong on gfx942 (ROCm/triton#947).
-        prefix = jnp.dot((scores * dscores).astype(prefix_dtype), before,
-                         preferred_element_type=jnp.float32)  # sum_{j<t} M[l, j]
-        intra_ref[j, :] = jnp.sum(jnp.where(at_or_after, prefix, 0.0), axis=0)
-        into_state_ref[j, :] = masks.to_end * jnp.sum(x_bar.astype(jnp.float32) * grad_b, axis=1)
-        from_state_ref[j, :] = masks.from_start * jnp.sum(dy32 * carried, axis=1)
-        return dscores_sum + dscores
+        # The log-decay gradient's per-token parts (see `chunk_gradients`). The output before
+        # D, intra-chunk plus carried state, (Q, P):
+        x_bar32 = x_bar.astype(jnp.float32)
+        y_inner = jnp.dot(weights, x_bar, preferred_element_type=jnp.float32) + (
+            masks.from_start[:, None]
+            * jnp.dot(cmat, state.T, preferred_element_type=jnp.float32)
+        )
+        dcumsum_ref[j, :] = jnp.sum(dy32 * y_inner - x_bar32 * dx_bar_intra, axis=1)
+        into_state_ref[j, :] = masks.to_end * jnp.sum(x_bar32 * grad_b, axis=1)
+        return dscores_sum + masks.decay * jnp.dot(dy, x_bar.T, preferred_element_type=jnp.float32)
 
     # C and B are shared by the group's heads: the intra-chunk terms of dB, dC need only the
-    # head-summed dscores, two matmuls per program instead of two per head.
+    # head-summed score gradient, two matmuls per program instead of two per head.
     dscores_sum = jax.lax.fori_loop(
         0, heads_per_program, head, jnp.zeros(scores.shape, jnp.float32)
     )
@@ -183,8 +170,8 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, passing, *, sta
     b's dtype.
 
     One program per (chunk, block of `static.heads_per_program` heads of one group, batch row).
-    The head blocks' float32 partial sums, the state terms and the log-decay gradient's prefix
-    sums are done by XLA in a fixed order (deterministic, no atomics).
+    The head blocks' float32 partial sums, the state terms and the log-decay gradient's reverse
+    cumsum are done by XLA in a fixed order (deterministic, no atomics).
     """
     batch, t_pad, heads, p_pad = x.shape
     groups, n_pad = b.shape[2], b.shape[3]
@@ -209,53 +196,95 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, passing, *, sta
         in_specs.append(pl.BlockSpec((hb, p_pad), lambda ci, k, i: (k, 0)))
         args.append(d)
     per_token = jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32)
-    scaled = jax.ShapeDtypeStruct(x.shape, b.dtype)
     partial_shape = jax.ShapeDtypeStruct((batch, heads // hb, t_pad, n_pad), jnp.float32)
-    (dx, ddt_x, intra, into_state, from_state, x_to_end, dy_from_start, db_parts,
-     dc_parts) = pl.pallas_call(
+    dx, ddt_x, dcumsum, into_state, db_parts, dc_parts = pl.pallas_call(
         functools.partial(_chunk_gradients_kernel, static=static, heads_per_program=hb),
         grid=(nc, heads // hb, batch),
         in_specs=in_specs,
-        out_specs=[tokens, *[per_head_chunk] * 4, tokens, tokens, partial, partial],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), *[per_token] * 4, scaled, scaled,
+        out_specs=[tokens, *[per_head_chunk] * 3, partial, partial],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), *[per_token] * 3,
                    partial_shape, partial_shape],
         compiler_params=_compat.triton_params(static.grad_num_warps, static.grad_num_stages),
         interpret=static.interpret,
         name="ssd_chunk_gradients",
     )(*args)
 
-    # float32 inputs keep float32 products (no TF32); bf16 and fp16 run as they are.
-    precision = jax.lax.Precision.HIGHEST if b.dtype == jnp.float32 else None
+    terms = functools.partial(_state_terms, groups=groups, dtype=b.dtype, static=static)
+    db = terms(x, dt, s, seq, gstates, db_parts, kind="db")
+    dc = terms(dy, dt, s, seq, states, dc_parts, kind="dc")
 
-    def state_term(scaled_tokens, chunk_states):
-        # sum over the group's heads and P of (Q, P) @ (P, N) per chunk: one batched matmul.
-        lhs = scaled_tokens.reshape(batch, nc, q, groups, hpg, p_pad)
-        rhs = chunk_states.reshape(batch, nc, groups, hpg, p_pad, n_pad)
-        out = jnp.einsum("bcqgkp,bcgkpn->bcqgn", lhs, rhs, preferred_element_type=jnp.float32,
-                         precision=precision)
-        return out.reshape(batch, t_pad, groups, n_pad)
-
-    def intra_term(parts):
-        parts = parts.reshape(batch, groups, blocks_per_group, t_pad, n_pad).sum(axis=2)
-        return jnp.swapaxes(parts, 1, 2)
-
-    db = intra_term(db_parts) + state_term(x_to_end, gstates)
-    dc = intra_term(dc_parts) + state_term(dy_from_start, states)
-
+    # Gradient of the log decay a_t. Within a chunk the decays depend on a only through the
+    # cumsum s, so d/da_t = sum_{u >= t} d/ds_u. Each decay is exp(s_end - s_start) of a span
+    # (masks are constant), giving d/ds_end its own term and d/ds_start minus it. For the
+    # outputs (spans ending at t, y before D) that is dY_t . y_t, and for the intra-chunk spans
+    # starting at t, -xbar_t . (L^T o B C^T dY)_t; both sums hold the same products, so the
+    # diagonal cancels exactly (the kernel's `dcumsum`). The spans into the leaving state start
+    # at j and all end at the last token: their reverse cumsum is sum_{j<t} into_state_j, plus
+    # the state passed on, exp(s_last) <G, H> (`passing`), for every t.
     def in_chunks(per_token):
         return per_token.reshape(batch, heads, nc, q)
 
-    # Gradient of the log-decay a_t, in mamba_ssm's non-cancelling parts: intra-chunk
-    # sum_{l>=t} sum_{j<t} M[l, j] with M = C B^T o L o (dY xbar^T); the chunk state
-    # sum_{j<t} dB_state_j . B_j; the carried state sum_{l>=t} dY_l . Y_off_l; the state passed
-    # on, exp(s_last) <G, H>, for every t. The kernel gives the first and the per-token dot
-    # products (over P: dB_state_j . B_j = to_end_j xbar_j . (B G^T)_j, dY_l . Y_off_l =
-    # from_start_l dY_l . (C H^T)_l); the chunk-local prefix sums run here.
-    into_state, from_state = in_chunks(into_state), in_chunks(from_state)
+    into_state = in_chunks(into_state)
     dlog_decay = (
-        in_chunks(intra)
+        jax.lax.cumsum(in_chunks(dcumsum), axis=3, reverse=True)
         + jnp.cumsum(into_state, axis=-1) - into_state
-        + jax.lax.cumsum(from_state, axis=3, reverse=True)
         + passing[..., None]
     ).reshape(batch, heads, t_pad)
-    return dx, ddt_x, dlog_decay, db.astype(b.dtype), dc.astype(b.dtype)
+    return dx, ddt_x, dlog_decay, db, dc
+
+
+def _state_terms_kernel(tokens_ref, dt_ref, s_ref, chunk_states_ref, parts_ref, *refs, static,
+                        kind):
+    seq_ref = refs[0] if static.has_seq_idx else None
+    out_ref = refs[-1]
+    c = pl.program_id(0)
+    acc = parts_ref[0]
+    for k in range(1, parts_ref.shape[0]):
+        acc += parts_ref[k]
+
+    def head(j, acc):
+        masks = common.chunk_masks(c, s_ref, seq_ref, static, head=j)
+        if kind == "db":  # x bar, decayed to the chunk's end, times G (P, N)
+            scale = masks.to_end * dt_ref[j, common.chunk_tokens(c, static)]
+        else:  # dY, decayed from the chunk's start, times H (P, N)
+            scale = masks.from_start
+        scaled = tokens_ref[:, j, :].astype(jnp.float32) * scale[:, None]
+        state = chunk_states_ref[j]
+        return acc + jnp.dot(scaled.astype(state.dtype), state, preferred_element_type=jnp.float32)
+
+    out_ref[...] = jax.lax.fori_loop(0, tokens_ref.shape[1], head, acc).astype(out_ref.dtype)
+
+
+def _state_terms(tokens, dt, s, seq, chunk_states, parts, *, groups, dtype, static, kind):
+    """dB (kind "db") or dC ("dc"), (B, Tp, G, Np) in `dtype`: the intra-chunk parts
+    (B, H / heads_per_program, Tp, Np) float32 summed, plus the state terms summed over the
+    group's heads, sum_{h, p} xbar to_end G (dB) or dY from_start H (dC).
+
+    tokens (B, Tp, H, Pp) are x for dB and dY for dC; chunk_states (B, nc, H, Pp, Np) are G for
+    dB and H for dC. One program per (chunk, group, batch row) loops over the group's heads.
+    """
+    batch, t_pad, heads, p_pad = tokens.shape
+    n_pad = chunk_states.shape[-1]
+    hpg, q, nc = heads // groups, static.block_t, static.num_chunks
+    blocks_per_group = parts.shape[1] // groups
+    in_specs = [
+        pl.BlockSpec((None, q, hpg, p_pad), lambda ci, g, i: (i, ci, g, 0)),
+        pl.BlockSpec((None, hpg, t_pad), lambda ci, g, i: (i, g, 0)),
+        pl.BlockSpec((None, hpg, t_pad), lambda ci, g, i: (i, g, 0)),
+        pl.BlockSpec((None, None, hpg, p_pad, n_pad), lambda ci, g, i: (i, ci, g, 0, 0)),
+        pl.BlockSpec((None, blocks_per_group, q, n_pad), lambda ci, g, i: (i, g, ci, 0)),
+    ]
+    args = [tokens, dt, s, chunk_states, parts]
+    if static.has_seq_idx:
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda ci, g, i: (i, 0)))
+        args.append(seq)
+    return pl.pallas_call(
+        functools.partial(_state_terms_kernel, static=static, kind=kind),
+        grid=(nc, groups, batch),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, q, None, n_pad), lambda ci, g, i: (i, ci, g, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, t_pad, groups, n_pad), dtype),
+        compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
+        interpret=static.interpret,
+        name=f"ssd_{kind}",
+    )(*args)

@@ -24,7 +24,7 @@ class SSDBlocks:
 # family -> [(largest padded state size N it covers, SSDBlocks)]. The hopper rows are measured by
 # benchmarks/ssd_tune.py on an H200 (benchmarks/results/ssd_tune_h200_*.json); the rest estimates.
 _TABLE = {
-    "hopper": [(64, SSDBlocks(64, 64, 40, 4, 2, 4, 1)), (256, SSDBlocks(64, 64, 40, 4, 2, 8, 1))],
+    "hopper": [(64, SSDBlocks(64, 64, 40, 4, 2, 4, 1)), (256, SSDBlocks(64, 64, 40, 4, 2, 4, 1))],
     "ampere": [(64, SSDBlocks(64, 64, 16, 4, 2, 4, 1)), (256, SSDBlocks(64, 32, 16, 4, 2, 4, 1))],
     "cdna": [(64, SSDBlocks(64, 32, 8, 4, 1, 4, 1)), (256, SSDBlocks(32, 16, 8, 4, 1, 4, 1))],
     "fallback": [(64, SSDBlocks(64, 32, 8, 4, 1, 4, 1)), (256, SSDBlocks(32, 16, 8, 4, 1, 4, 1))],
