@@ -326,8 +326,10 @@ def merge(args):
     for path in args.merge:
         with open(path) as f:
             payload = json.load(f)
-        sources.append({"path": path, "environment": payload.get("environment"),
-                        "config": payload.get("config")})
+        # A merged file contributes the sources it was merged from.
+        sources.extend(payload.get("merged_from") or [
+            {"path": path, "environment": payload.get("environment"),
+             "config": payload.get("config")}])
         records.extend(payload["results"])
     # A (shape, implementation, mode) measured in several files: the last file's record counts.
     records = list(_harness.index_records(records).values())

@@ -8,11 +8,13 @@ After the forward kernel recomputes the state entering each chunk (`forward(emit
   gradient, exp(s_last) <G, H>, while G is in registers.
 * `chunk_gradients`: one program per (chunk, block of one group's heads, batch row) loops over
   its heads. It computes C B^T once, writes dx and per-token float32 vectors per head (the dt'
-  term of dx and the chunk-local parts of the gradient of the log decay a = dt' A). For dB
-  and dC it sums the (Q, Q) score gradient over its heads (C and B are shared by the group, so
-  two matmuls per program give the intra-chunk terms) and writes the decay-scaled x and dY
-  that XLA contracts with the states over (heads, P) in one batched matmul per chunk (the
-  state terms). No per-head (Q, N) tensor is accumulated or stored.
+  term of dx and the chunk-local parts of the gradient of the log decay a = dt' A, as
+  dY . y - xbar . dxbar sums, so no (Q, Q) prefix sum is needed). For dB and dC it sums the
+  (Q, Q) score gradient over its heads (C and B are shared by the group, so two matmuls per
+  program give the intra-chunk terms).
+* `_state_terms` (twice: dB and dC): one program per (chunk, group, batch row) adds those
+  partial sums to the state terms, sum over the group's heads of the decay-scaled x bar times G
+  (dB) or dY times H (dC), accumulating one (Q, N) tile over the heads.
 
 The recurrences carry states and their gradients in float32; the copies that pass between the
 kernels (matmul operands there) are stored in the inputs' dtype, as mamba_ssm stores its states.
