@@ -172,8 +172,9 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, passing, *, sta
     b's dtype.
 
     One program per (chunk, block of `static.heads_per_program` heads of one group, batch row).
-    The head blocks' float32 partial sums, the state terms and the log-decay gradient's reverse
-    cumsum are done by XLA in a fixed order (deterministic, no atomics).
+    The head blocks' float32 partial sums and the state terms of dB, dC are added by
+    `_state_terms` (one program per chunk and group, looping over its heads), the log-decay
+    gradient's reverse cumsum by XLA: a fixed order (deterministic, no atomics).
     """
     batch, t_pad, heads, p_pad = x.shape
     groups, n_pad = b.shape[2], b.shape[3]
@@ -219,7 +220,7 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, passing, *, sta
     # cumsum s, so d/da_t = sum_{u >= t} d/ds_u. Each decay is exp(s_end - s_start) of a span
     # (masks are constant), giving d/ds_end its own term and d/ds_start minus it. For the
     # outputs (spans ending at t, y before D) that is dY_t . y_t, and for the intra-chunk spans
-    # starting at t, -xbar_t . (L^T o B C^T dY)_t; both sums hold the same products, so the
+    # starting at t, -xbar_t . ((C B^T o L)^T dY)_t; both sums hold the same products, so the
     # diagonal cancels exactly (the kernel's `dcumsum`). The spans into the leaving state start
     # at j and all end at the last token: their reverse cumsum is sum_{j<t} into_state_j, plus
     # the state passed on, exp(s_last) <G, H> (`passing`), for every t.
