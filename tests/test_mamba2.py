@@ -26,7 +26,7 @@ CASES = [
     ("dt-limit-softplus", dict(t=40), dict(chunk_size=32, dt_softplus=True,
                                           dt_limit=(0.2, 0.5))),
     ("p80-n40-odd", dict(t=50, p=20, n=40, h=2, g=1), dict(chunk_size=16, dt_softplus=True)),
-    # N above 128: padded to 256 (four 64-wide blocks of the forward's state tile).
+    # N above 128 (padded to 256, the widest state the kernels take), with packed sequences.
     ("n160-state-blocks", dict(t=40, p=8, n=160, h=2, g=1, seq_idx=True),
      dict(chunk_size=16, dt_softplus=True)),
     # 12 heads per group: the chunk-gradient kernel splits each group into blocks of 6 heads
