@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from benchmarks import _timing, ssd
 from pallas_kernels import _compat
-from pallas_kernels.mamba2 import api, backward, common, forward, reference, tuning
+from pallas_kernels.mamba2 import backward, common, forward, reference, tuning
 
 BLOCK_TS = (64, 128)
 SCAN_CANDIDATES = list(itertools.product((32, 64), (4, 8), (1, 2)))  # block_p, warps, stages
@@ -36,7 +36,8 @@ def time_call(fn, *args):
 
 def static_for(blocks, shape, block_t, interpret=False):
     return common.Static.from_blocks(
-        blocks, block_t=block_t, p_pad=shape.head_dim, heads_per_group=shape.heads // shape.groups,
+        blocks, block_t=block_t, p_pad=shape.head_dim, batch=shape.batch, heads=shape.heads,
+        heads_per_group=shape.heads // shape.groups,
         num_chunks=shape.seq_len // block_t, interpret=interpret, has_seq_idx=False, has_d=True,
         has_z=False, has_initial_states=False)
 
@@ -54,7 +55,7 @@ def time_parts(shape, block_t, blocks, operands, interpret):
     """Milliseconds of each kernel for one set of tiles (None where it failed)."""
     x, dt_step, A, B, C, d, dy = operands
     static = static_for(blocks, shape, block_t, interpret)
-    s = api._chunk_cumsum(dt_step * A[None, :, None], block_t)
+    s = common.chunk_log2_decays(dt_step, A, block_t)
     run = jax.jit
     parts = {}
     try:

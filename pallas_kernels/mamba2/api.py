@@ -257,6 +257,8 @@ def _pallas_ssd(x, dt_step, A, B, C, chunk_size, D, z, initial_states, seq_idx, 
         blocks,
         block_t=block_t,
         p_pad=p_pad,
+        batch=b,
+        heads=h,
         heads_per_group=h // B.shape[2],
         num_chunks=t_pad // block_t,
         interpret=interpret,
@@ -285,13 +287,6 @@ def _pallas_ssd(x, dt_step, A, B, C, chunk_size, D, z, initial_states, seq_idx, 
     return y[:, :t, :, :p], final[:, :, :p, :n]
 
 
-def _chunk_cumsum(a, block_t):
-    """In-chunk inclusive cumsum over the last axis (a multiple of block_t)."""
-    shape = a.shape
-    chunks = a.reshape(*shape[:-1], shape[-1] // block_t, block_t)
-    return jnp.cumsum(chunks, axis=-1).reshape(shape)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ssd(static, x, dt_step, A, B, C, D, z, h0, seq):
     """(y, final) of padded inputs; dt_step (b, H, Tp) float32. See `forward.forward`."""
@@ -299,7 +294,7 @@ def _ssd(static, x, dt_step, A, B, C, D, z, h0, seq):
 
 
 def _ssd_fwd(static, x, dt_step, A, B, C, D, z, h0, seq):
-    s = _chunk_cumsum(dt_step * A[None, :, None], static.block_t)
+    s = common.chunk_log2_decays(dt_step, A, static.block_t)
     y, y_pre, final = forward.forward(x, dt_step, s, B, C, seq, D, z, h0, static=static)
     return (y, final), (x, dt_step, A, B, C, D, z, h0, seq, y_pre)
 
@@ -315,7 +310,7 @@ def _ssd_bwd(static, residuals, cotangents):
         dz = dz.astype(z.dtype)
         dy = dy.astype(jnp.float32) * zf * sig
     dy = dy.astype(x.dtype)
-    s = _chunk_cumsum(dt_step * A[None, :, None], static.block_t)
+    s = common.chunk_log2_decays(dt_step, A, static.block_t)
     states, _ = forward.forward(x, dt_step, s, B, C, seq, None, None, h0, static=static,
                                 emit="states")
     dfinal = dfinal.astype(jnp.float32)

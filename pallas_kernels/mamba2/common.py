@@ -1,6 +1,7 @@
 """Pieces shared by the SSD kernels: the static configuration and the per-chunk decay masks."""
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ class Static:
     block_p: int  # head-dim rows per program of the scan kernels
     heads_per_program: int  # heads per program of the chunk-gradient kernel (divides H / G)
     num_chunks: int
+    num_segments: int  # the scan kernels split the chunks into this many runs (see `segments`)
     has_seq_idx: bool
     has_d: bool
     has_z: bool
@@ -26,16 +28,29 @@ class Static:
     interpret: bool
 
     @classmethod
-    def from_blocks(cls, blocks, *, block_t, p_pad, heads_per_group, num_chunks, interpret,
-                    **flags):
-        """The Static of a tuning.SSDBlocks row; `flags` are the has_* fields."""
+    def from_blocks(cls, blocks, *, block_t, p_pad, batch, heads, heads_per_group, num_chunks,
+                    interpret, **flags):
+        """The Static of a tuning.SSDBlocks row; `flags` are the has_* fields.
+
+        The forward scan splits each row's chunks into equal segments of at least
+        `blocks.min_segment_chunks` chunks, as many as keep its programs (one per batch row, head,
+        head-dim block and segment) within `blocks.scan_programs`.
+        """
+        block_p = min(blocks.block_p, p_pad)
+        walks = batch * heads * (p_pad // block_p)
         return cls(
             block_t=block_t,
-            block_p=min(blocks.block_p, p_pad),
+            block_p=block_p,
             heads_per_program=max(
                 k for k in range(1, blocks.heads_per_program + 1) if heads_per_group % k == 0
             ),
             num_chunks=num_chunks,
+            num_segments=max(
+                s for s in range(1, num_chunks + 1)
+                if num_chunks % s == 0 and (s == 1 or (
+                    num_chunks // s >= blocks.min_segment_chunks
+                    and s * walks <= blocks.scan_programs))
+            ),
             num_warps=blocks.num_warps,
             num_stages=blocks.num_stages,
             grad_num_warps=blocks.grad_num_warps,
@@ -43,6 +58,23 @@ class Static:
             interpret=interpret,
             **flags,
         )
+
+
+    @property
+    def segment_chunks(self):
+        """Chunks per segment of the forward scan (num_segments divides num_chunks)."""
+        return self.num_chunks // self.num_segments
+
+
+def chunk_log2_decays(dt, A, block_t):
+    """The kernels' `s`: the in-chunk inclusive cumsum of a = dt * A in base 2, (B, H, Tp) float32.
+
+    dt (B, H, Tp) float32 with Tp a multiple of block_t; A (H,). Decays are exp2 of differences
+    of s, which the GPU evaluates in one instruction (exp needs a range reduction first).
+    """
+    a = dt * (A.astype(jnp.float32) * math.log2(math.e))[None, :, None]
+    chunks = a.reshape(*a.shape[:-1], a.shape[-1] // block_t, block_t)
+    return jnp.cumsum(chunks, axis=-1).reshape(a.shape)
 
 
 def chunk_tokens(c, static):
@@ -53,12 +85,13 @@ def chunk_tokens(c, static):
 class ChunkMasks(NamedTuple):
     """Decays of one chunk, with sequence boundaries (seq_idx) folded in.
 
-    decay (Q, Q): L[l, j] = exp(min(s_l - s_j, 0)) for j <= l in the same sequence, else 0.
-    from_start (Q,): exp(min(s_l, 0)) where token l continues the sequence live at the chunk
+    With s from `chunk_log2_decays` (so exp2 of its differences are the decays):
+    decay (Q, Q): L[l, j] = exp2(min(s_l - s_j, 0)) for j <= l in the same sequence, else 0.
+    from_start (Q,): exp2(min(s_l, 0)) where token l continues the sequence live at the chunk
       start (it sees the carried state), else 0.
-    to_end (Q,): exp(min(s_last - s_j, 0)) where token j is in the chunk's last sequence (it
+    to_end (Q,): exp2(min(s_last - s_j, 0)) where token j is in the chunk's last sequence (it
       reaches the state leaving the chunk), else 0.
-    chunk_decay (): exp(min(s_last, 0)) when no sequence starts inside the chunk, else 0.
+    chunk_decay (): exp2(min(s_last, 0)) when no sequence starts inside the chunk, else 0.
     """
 
     decay: jnp.ndarray
@@ -68,7 +101,7 @@ class ChunkMasks(NamedTuple):
 
 
 def chunk_masks(c, s_ref, seq_ref, static, head=None):
-    """ChunkMasks of chunk c from the in-chunk cumsum `s_ref` and `seq_ref` (Tp,) or None.
+    """ChunkMasks of chunk c from `s_ref` (`chunk_log2_decays`) and `seq_ref` (Tp,) or None.
 
     `s_ref` is (Tp,), or (heads, Tp) read at row `head`.
     """
@@ -79,9 +112,9 @@ def chunk_masks(c, s_ref, seq_ref, static, head=None):
     row = jnp.arange(q, dtype=jnp.int32)[:, None]
     col = jnp.arange(q, dtype=jnp.int32)[None, :]
     visible = row >= col
-    from_start = jnp.exp(jnp.minimum(s, 0.0))
-    to_end = jnp.exp(jnp.minimum(s_last - s, 0.0))
-    chunk_decay = jnp.exp(jnp.minimum(s_last, 0.0))
+    from_start = jnp.exp2(jnp.minimum(s, 0.0))
+    to_end = jnp.exp2(jnp.minimum(s_last - s, 0.0))
+    chunk_decay = jnp.exp2(jnp.minimum(s_last, 0.0))
     if seq_ref is not None:
         seq = seq_ref[tok]
         seq_start = seq_ref[jnp.maximum(c * q - 1, 0)]  # the sequence live when the chunk starts
@@ -90,5 +123,5 @@ def chunk_masks(c, s_ref, seq_ref, static, head=None):
         from_start = jnp.where(seq == seq_start, from_start, 0.0)
         to_end = jnp.where(seq == seq_last, to_end, 0.0)
         chunk_decay = jnp.where(seq_last == seq_start, chunk_decay, 0.0)
-    decay = jnp.where(visible, jnp.exp(jnp.minimum(s[:, None] - s[None, :], 0.0)), 0.0)
+    decay = jnp.where(visible, jnp.exp2(jnp.minimum(s[:, None] - s[None, :], 0.0)), 0.0)
     return ChunkMasks(decay, from_start, to_end, chunk_decay)

@@ -1,14 +1,23 @@
 """SSD forward kernel (Pallas, Triton lowering): the chunked scan fused into one pass.
 
-One program owns one (batch row, head, block of head-dim rows) and walks the chunks in order,
-keeping the (P_block, N) state in float32 registers. Per chunk of Q tokens it computes
+One program owns one (batch row, head, block of head-dim rows, segment of the sequence) and walks
+the segment's chunks in order, keeping the (P_block, N) state in float32 registers. Per chunk of
+Q tokens it computes
 
     y   = (L o C B^T o dt) x + exp(s) * (C h^T) + D x          (intra-chunk + carried state)
     h  <- exp(s_last) h + (x * dt * exp(s_last - s))^T B        (state passing)
 
 where s is the in-chunk inclusive cumsum of a = dt * A and L[l, j] = exp(min(s_l - s_j, 0)) for
-j <= l. Chunk states never leave the program; the backward's recompute pass asks the same kernel
-to write the state entering each chunk instead of the output (`emit="states"`).
+j <= l (the kernels hold s in base 2: `common.chunk_log2_decays`). Chunk states never leave the
+program; the backward's recompute pass asks the same kernel to write the state entering each
+chunk instead of the output (`emit="states"`).
+
+A serial walk over all chunks leaves the GPU idle when batch x heads is small or the programs
+fill a wave and a bit (320 programs at 2 per SM on 132 SMs run as two waves). So when
+`static.num_segments` > 1 the chunks are split into equal segments walked in parallel: a first
+kernel (`_segment_states`) sums each segment's own contribution to the state leaving it as one
+matmul accumulation, and each walking program starts from the state entering its segment, those
+contributions passed along the earlier segments.
 """
 
 import functools
@@ -21,21 +30,25 @@ from pallas_kernels import _compat
 from pallas_kernels.mamba2 import common
 
 
-def _forward_kernel(*refs, static, emit):
+def _forward_kernel(*refs, static, emit, num_p_blocks):
     refs = list(refs)
     x_ref, dt_ref, s_ref, b_ref, c_ref = (refs.pop(0) for _ in range(5))
     seq_ref = refs.pop(0) if static.has_seq_idx else None
     d_ref = refs.pop(0) if static.has_d and emit == "output" else None
     z_ref = refs.pop(0) if static.has_z and emit == "output" else None
     h0_ref = refs.pop(0) if static.has_initial_states else None
+    if static.num_segments > 1:
+        segment_states_ref, segment_decays_ref = refs.pop(0), refs.pop(0)
     if emit == "output":
         y_ref = refs.pop(0)
         y_pre_ref = refs.pop(0) if static.has_z else None
     else:
         states_ref = refs.pop(0)
     final_ref = refs.pop(0)
+    segment = pl.program_id(0) // num_p_blocks
 
-    def chunk(c, state):
+    def chunk(i, state):
+        c = segment * static.segment_chunks + i
         tok = common.chunk_tokens(c, static)
         x = x_ref[tok, :]
         dt = dt_ref[tok]
@@ -67,7 +80,87 @@ def _forward_kernel(*refs, static, emit):
         if h0_ref is not None
         else jnp.zeros(final_ref.shape, jnp.float32)
     )
-    final_ref[...] = jax.lax.fori_loop(0, static.num_chunks, chunk, state)
+    if static.num_segments > 1:
+        # The state entering this segment: the earlier segments' own states passed along.
+        def enter(j, state):
+            return segment_decays_ref[j, 0] * state + segment_states_ref[j]
+
+        state = jax.lax.fori_loop(0, segment, enter, state)
+    state = jax.lax.fori_loop(0, static.segment_chunks, chunk, state)
+
+    @pl.when(segment == static.num_segments - 1)
+    def _():
+        final_ref[...] = state
+
+
+def _segment_states_kernel(x_ref, dt_ref, s_ref, b_ref, *refs, static, num_p_blocks):
+    seq_ref = refs[0] if static.has_seq_idx else None
+    states_ref, decays_ref = refs[-2:]
+    first = (pl.program_id(0) // num_p_blocks) * static.segment_chunks
+
+    # Walks the segment backwards so that the decay to its end is a running scalar product and
+    # the state a plain matmul accumulator (no dependence between chunks but that scalar).
+    def chunk(i, carry):
+        state, decay = carry
+        c = first + static.segment_chunks - 1 - i
+        tok = common.chunk_tokens(c, static)
+        x = x_ref[tok, :]
+        masks = common.chunk_masks(c, s_ref, seq_ref, static)
+        weight = dt_ref[tok] * masks.to_end * decay
+        x_weighted = (x.astype(jnp.float32) * weight[:, None]).astype(x.dtype)
+        state += jnp.dot(x_weighted.T, b_ref[tok, :], preferred_element_type=jnp.float32)
+        return state, decay * masks.chunk_decay
+
+    state, decay = jax.lax.fori_loop(
+        0, static.segment_chunks, chunk,
+        (jnp.zeros(states_ref.shape, jnp.float32), jnp.float32(1.0)),
+    )
+    states_ref[...] = state
+    decays_ref[...] = jnp.full(decays_ref.shape, decay)
+
+
+def _segment_states(x, dt, s, b, seq, *, static):
+    """Each segment's own contribution to the state leaving it and its total decay.
+
+    For the first num_segments - 1 segments of each row (the last one's is never needed):
+    states (B, S - 1, H, Pp, Np) float32, the state leaving the segment when it is entered with
+    zero, and decays (B, S - 1, H, Pp) float32, the product of its chunks' decays (repeated over
+    Pp), so that the state entering segment k is sum_j<k (prod_j<i<k decay_i) states_j (+ h0
+    decayed through all of them).
+    """
+    batch, t_pad, heads, p_pad = x.shape
+    n_pad = b.shape[-1]
+    bp, num_p_blocks = static.block_p, p_pad // static.block_p
+    hpg = heads // b.shape[2]
+    in_specs = [
+        pl.BlockSpec((None, t_pad, None, bp), lambda j, h, i: (i, 0, h, j % num_p_blocks)),
+        pl.BlockSpec((None, None, t_pad), lambda j, h, i: (i, h, 0)),
+        pl.BlockSpec((None, None, t_pad), lambda j, h, i: (i, h, 0)),
+        pl.BlockSpec((None, t_pad, None, n_pad), lambda j, h, i: (i, 0, h // hpg, 0)),
+    ]
+    args = [x, dt, s, b]
+    if static.has_seq_idx:
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda j, h, i: (i, 0)))
+        args.append(seq)
+    segments = static.num_segments - 1
+    return pl.pallas_call(
+        functools.partial(_segment_states_kernel, static=static, num_p_blocks=num_p_blocks),
+        grid=(segments * num_p_blocks, heads, batch),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, None, None, bp, n_pad),
+                         lambda j, h, i: (i, j // num_p_blocks, h, j % num_p_blocks, 0)),
+            pl.BlockSpec((None, None, None, bp),
+                         lambda j, h, i: (i, j // num_p_blocks, h, j % num_p_blocks)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, segments, heads, p_pad, n_pad), jnp.float32),
+            jax.ShapeDtypeStruct((batch, segments, heads, p_pad), jnp.float32),
+        ],
+        compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
+        interpret=static.interpret,
+        name="ssd_segment_states",
+    )(*args)
 
 
 def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
@@ -85,20 +178,23 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
     """
     batch, t_pad, heads, p_pad = x.shape
     n_pad = b.shape[-1]
-    bp = static.block_p
+    bp, num_p_blocks = static.block_p, p_pad // static.block_p
     hpg = heads // b.shape[2]
-    grid = (p_pad // bp, heads, batch)
-    tokens = pl.BlockSpec((None, t_pad, None, bp), lambda p, h, i: (i, 0, h, p))
-    per_head = pl.BlockSpec((None, None, t_pad), lambda p, h, i: (i, h, 0))
-    group = pl.BlockSpec((None, t_pad, None, n_pad), lambda p, h, i: (i, 0, h // hpg, 0))
-    state_spec = pl.BlockSpec((None, None, bp, n_pad), lambda p, h, i: (i, h, p, 0))
+    # Program (j, h, i) runs head-dim block j % num_p_blocks of segment j // num_p_blocks.
+    grid = (static.num_segments * num_p_blocks, heads, batch)
+    tokens = pl.BlockSpec((None, t_pad, None, bp), lambda j, h, i: (i, 0, h, j % num_p_blocks))
+    per_head = pl.BlockSpec((None, None, t_pad), lambda j, h, i: (i, h, 0))
+    group = pl.BlockSpec((None, t_pad, None, n_pad), lambda j, h, i: (i, 0, h // hpg, 0))
+    state_spec = pl.BlockSpec(
+        (None, None, bp, n_pad), lambda j, h, i: (i, h, j % num_p_blocks, 0)
+    )
     in_specs = [tokens, per_head, per_head, group, group]
     args = [x, dt, s, b, c]
     if static.has_seq_idx:
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda p, h, i: (i, 0)))
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda j, h, i: (i, 0)))
         args.append(seq)
     if emit == "output" and static.has_d:
-        in_specs.append(pl.BlockSpec((None, bp), lambda p, h, i: (h, p)))
+        in_specs.append(pl.BlockSpec((None, bp), lambda j, h, i: (h, j % num_p_blocks)))
         args.append(d)
     if emit == "output" and static.has_z:
         in_specs.append(tokens)
@@ -106,6 +202,14 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
     if static.has_initial_states:
         in_specs.append(state_spec)
         args.append(h0)
+    if static.num_segments > 1:
+        segments = static.num_segments - 1
+        in_specs += [
+            pl.BlockSpec((None, segments, None, bp, n_pad),
+                         lambda j, h, i: (i, 0, h, j % num_p_blocks, 0)),
+            pl.BlockSpec((None, segments, None, bp), lambda j, h, i: (i, 0, h, j % num_p_blocks)),
+        ]
+        args += _segment_states(x, dt, s, b, seq, static=static)
     final_shape = jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32)
     if emit == "output":
         y_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -114,14 +218,15 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
     else:
         nc = static.num_chunks
         out_specs = [
-            pl.BlockSpec((None, nc, None, bp, n_pad), lambda p, h, i: (i, 0, h, p, 0)),
+            pl.BlockSpec((None, nc, None, bp, n_pad),
+                         lambda j, h, i: (i, 0, h, j % num_p_blocks, 0)),
             state_spec,
         ]
         out_shape = [
             jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), x.dtype), final_shape
         ]
     outs = pl.pallas_call(
-        functools.partial(_forward_kernel, static=static, emit=emit),
+        functools.partial(_forward_kernel, static=static, emit=emit, num_p_blocks=num_p_blocks),
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,

@@ -19,6 +19,8 @@ class SSDBlocks:
     num_stages: int
     grad_num_warps: int  # chunk-gradient kernel
     grad_num_stages: int
+    scan_programs: int = 1280  # the forward scan splits sequences into segments to reach this
+    min_segment_chunks: int = 8  # ...but keeps at least this many chunks in a segment
 
 
 # family -> [(largest padded state size N it covers, SSDBlocks)]. The hopper rows are measured by
