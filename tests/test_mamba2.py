@@ -10,7 +10,7 @@ import pytest
 from ssd_cases import loss_and_grads, make_inputs, rel_error
 
 import pallas_kernels
-from pallas_kernels.mamba2 import forward, reference, tuning
+from pallas_kernels.mamba2 import reference, segments, tuning
 
 pallas = functools.partial(pallas_kernels.mamba_chunk_scan_combined, implementation="pallas")
 
@@ -54,16 +54,16 @@ def test_matches_recurrence_float32(case):
 
 @pytest.mark.parametrize("seq_idx", [False, True], ids=["plain", "seq-idx"])
 def test_segmented_scan_matches_recurrence(seq_idx, monkeypatch):
-    # The forward scan (and the backward's state recompute) split into segments walked in
-    # parallel, forced here at a small size: 150 tokens are 10 chunks of 16, 5 segments of 2.
+    # The scan kernels (forward, state recompute, state gradients) split into segments walked
+    # in parallel, forced here at a small size: 150 tokens are 10 chunks of 16, 5 segments of 2.
     table = tuning.blocks_for
     monkeypatch.setattr(tuning, "blocks_for", lambda kind, n: dataclasses.replace(
         table(kind, n), scan_programs=10**6, min_segment_chunks=2))
     calls = []
-    segment_states = forward._segment_states
-    monkeypatch.setattr(forward, "_segment_states",
-                        lambda *a, static: calls.append(static.num_segments)
-                        or segment_states(*a, static=static))
+    segment_sums = segments.segment_sums
+    monkeypatch.setattr(segments, "segment_sums",
+                        lambda *a, static, kind: calls.append((kind, static.num_segments))
+                        or segment_sums(*a, static=static, kind=kind))
     args = make_inputs(12, t=150)
     if seq_idx:  # row 0: a sequence starts on a segment's first token (32) and one inside (75)
         ids = (jnp.arange(150) >= 32).astype(jnp.int32) + (jnp.arange(150) >= 75)
@@ -71,7 +71,8 @@ def test_segmented_scan_matches_recurrence(seq_idx, monkeypatch):
     kw = dict(chunk_size=16, dt_softplus=True)
     (y, final), grads = loss_and_grads(pallas, args, **kw)
     (y_ref, final_ref), grads_ref = loss_and_grads(reference.ssd_recurrence, args, **kw)
-    assert calls == [5, 5]  # the forward and the backward's recompute
+    # The forward, then the backward's state recompute and state gradients.
+    assert calls == [("states", 5), ("states", 5), ("gradients", 5)]
     assert rel_error(y, y_ref) < 2e-5
     assert rel_error(final, final_ref) < 2e-5
     for name, grad in grads.items():

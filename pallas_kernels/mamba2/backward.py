@@ -2,10 +2,10 @@
 
 After the forward kernel recomputes the state entering each chunk (`forward(emit="states")`):
 
-* `state_gradients`: one program per (batch row, head, head-dim block) walks the chunks in
-  reverse, G <- dH_local + exp(s_last) G, writing G (the gradient of the state leaving each
-  chunk), the initial-state gradient and the per-chunk state-passing term of the log-decay
-  gradient, exp(s_last) <G, H>, while G is in registers.
+* `state_gradients`: one program per (batch row, head, head-dim block, segment: see
+  `segments`) walks the chunks in reverse, G <- dH_local + exp(s_last) G, writing G (the
+  gradient of the state leaving each chunk), the initial-state gradient and the per-chunk
+  state-passing term of the log-decay gradient, exp(s_last) <G, H>, while G is in registers.
 * `chunk_gradients`: one program per (chunk, block of one group's heads, batch row) loops over
   its heads. It computes C B^T once, writes dx and per-token float32 vectors per head (the dt'
   term of dx and the chunk-local parts of the gradient of the log decay a = dt' A, as
@@ -27,18 +27,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.mamba2 import common
+from pallas_kernels.mamba2 import common, segments
 
 
-def _state_gradients_kernel(dy_ref, s_ref, c_ref, states_ref, *refs, static, has_final):
+def _state_gradients_kernel(dy_ref, s_ref, c_ref, states_ref, *refs, static, has_final,
+                            num_p_blocks):
     refs = list(refs)
     seq_ref = refs.pop(0) if static.has_seq_idx else None
     dfinal_ref = refs.pop(0) if has_final else None
+    if static.num_segments > 1:
+        segment_grads_ref, segment_decays_ref = refs.pop(0), refs.pop(0)
     gstates_ref, passing_ref, dh0_ref = refs
-    nc = static.num_chunks
+    segment = pl.program_id(0) // num_p_blocks
 
     def chunk(i, grad):
-        c = nc - 1 - i
+        c = (segment + 1) * static.segment_chunks - 1 - i
         gstates_ref[c] = grad.astype(gstates_ref.dtype)
         tok = common.chunk_tokens(c, static)
         dy = dy_ref[tok, :]
@@ -57,13 +60,25 @@ def _state_gradients_kernel(dy_ref, s_ref, c_ref, states_ref, *refs, static, has
         if dfinal_ref is not None
         else jnp.zeros(dh0_ref.shape, jnp.float32)
     )
-    dh0_ref[...] = jax.lax.fori_loop(0, nc, chunk, grad)
+    if static.num_segments > 1:
+        # The gradient of the state leaving this segment: the later segments' own gradients
+        # passed back (index j holds segment j + 1).
+        def leave(i, grad):
+            j = static.num_segments - 2 - i
+            return segment_grads_ref[j] + segment_decays_ref[j, 0] * grad
+
+        grad = jax.lax.fori_loop(0, static.num_segments - 1 - segment, leave, grad)
+    grad = jax.lax.fori_loop(0, static.segment_chunks, chunk, grad)
+
+    @pl.when(segment == 0)
+    def _():
+        dh0_ref[...] = grad
 
 
-def state_gradients(dy, s, c, seq, dfinal, states, *, static):
+def state_gradients(dy, dt, s, c, seq, dfinal, states, *, static):
     """Gradients of the chunk-leaving states and of h0, and the state-passing decay term.
 
-    dy (B, Tp, H, Pp) is the gradient of the pre-gate output; s (B, H, Tp); c (B, Tp, G, Np);
+    dy (B, Tp, H, Pp) is the gradient of the pre-gate output; dt, s (B, H, Tp); c (B, Tp, G, Np);
     seq (B, Tp) or None; dfinal (B, H, Pp, Np) float32 or None; states (B, nc, H, Pp, Np), the
     states entering each chunk. Returns gstates (B, nc, H, Pp, Np) in dy's dtype, passing
     (B, H, nc) float32 (exp(s_last) <G, H> per chunk: the gradient of each of the chunk's
@@ -71,30 +86,39 @@ def state_gradients(dy, s, c, seq, dfinal, states, *, static):
     """
     batch, t_pad, heads, p_pad = dy.shape
     n_pad = c.shape[-1]
-    bp, nc = static.block_p, static.num_chunks
+    bp, nc, num_p_blocks = static.block_p, static.num_chunks, p_pad // static.block_p
     hpg = heads // c.shape[2]
-    state_spec = pl.BlockSpec((None, None, bp, n_pad), lambda p, h, i: (i, h, p, 0))
-    chunk_states = pl.BlockSpec((None, nc, None, bp, n_pad), lambda p, h, i: (i, 0, h, p, 0))
+    # Program (j, h, i) runs head-dim block j % num_p_blocks of segment j // num_p_blocks.
+    state_spec = pl.BlockSpec(
+        (None, None, bp, n_pad), lambda j, h, i: (i, h, j % num_p_blocks, 0)
+    )
+    chunk_states = pl.BlockSpec(
+        (None, nc, None, bp, n_pad), lambda j, h, i: (i, 0, h, j % num_p_blocks, 0)
+    )
     in_specs = [
-        pl.BlockSpec((None, t_pad, None, bp), lambda p, h, i: (i, 0, h, p)),
-        pl.BlockSpec((None, None, t_pad), lambda p, h, i: (i, h, 0)),
-        pl.BlockSpec((None, t_pad, None, n_pad), lambda p, h, i: (i, 0, h // hpg, 0)),
+        pl.BlockSpec((None, t_pad, None, bp), lambda j, h, i: (i, 0, h, j % num_p_blocks)),
+        pl.BlockSpec((None, None, t_pad), lambda j, h, i: (i, h, 0)),
+        pl.BlockSpec((None, t_pad, None, n_pad), lambda j, h, i: (i, 0, h // hpg, 0)),
         chunk_states,
     ]
     args = [dy, s, c, states]
     if static.has_seq_idx:
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda p, h, i: (i, 0)))
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda j, h, i: (i, 0)))
         args.append(seq)
     if dfinal is not None:
         in_specs.append(state_spec)
         args.append(dfinal)
+    if static.num_segments > 1:
+        in_specs += segments.specs(static, n_pad, num_p_blocks)
+        args += segments.segment_sums(dy, dt, s, c, seq, static=static, kind="gradients")
     gstates, passing, dh0 = pl.pallas_call(
-        functools.partial(_state_gradients_kernel, static=static, has_final=dfinal is not None),
-        grid=(p_pad // bp, heads, batch),
+        functools.partial(_state_gradients_kernel, static=static, has_final=dfinal is not None,
+                          num_p_blocks=num_p_blocks),
+        grid=(static.num_segments * num_p_blocks, heads, batch),
         in_specs=in_specs,
         out_specs=[
             chunk_states,
-            pl.BlockSpec((None, None, nc, bp), lambda p, h, i: (i, h, 0, p)),
+            pl.BlockSpec((None, None, nc, bp), lambda j, h, i: (i, h, 0, j % num_p_blocks)),
             state_spec,
         ],
         out_shape=[

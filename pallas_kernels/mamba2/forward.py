@@ -14,10 +14,8 @@ chunk instead of the output (`emit="states"`).
 
 A serial walk over all chunks leaves the GPU idle when batch x heads is small or the programs
 fill a wave and a bit (320 programs at 2 per SM on 132 SMs run as two waves). So when
-`static.num_segments` > 1 the chunks are split into equal segments walked in parallel: a first
-kernel (`_segment_states`) sums each segment's own contribution to the state leaving it as one
-matmul accumulation, and each walking program starts from the state entering its segment, those
-contributions passed along the earlier segments.
+`static.num_segments` > 1 the chunks are split into equal segments walked in parallel, each
+program starting from the state entering its segment, built from `segments.segment_sums`.
 """
 
 import functools
@@ -27,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.mamba2 import common
+from pallas_kernels.mamba2 import common, segments
 
 
 def _forward_kernel(*refs, static, emit, num_p_blocks):
@@ -93,76 +91,6 @@ def _forward_kernel(*refs, static, emit, num_p_blocks):
         final_ref[...] = state
 
 
-def _segment_states_kernel(x_ref, dt_ref, s_ref, b_ref, *refs, static, num_p_blocks):
-    seq_ref = refs[0] if static.has_seq_idx else None
-    states_ref, decays_ref = refs[-2:]
-    first = (pl.program_id(0) // num_p_blocks) * static.segment_chunks
-
-    # Walks the segment backwards so that the decay to its end is a running scalar product and
-    # the state a plain matmul accumulator (no dependence between chunks but that scalar).
-    def chunk(i, carry):
-        state, decay = carry
-        c = first + static.segment_chunks - 1 - i
-        tok = common.chunk_tokens(c, static)
-        x = x_ref[tok, :]
-        masks = common.chunk_masks(c, s_ref, seq_ref, static)
-        weight = dt_ref[tok] * masks.to_end * decay
-        x_weighted = (x.astype(jnp.float32) * weight[:, None]).astype(x.dtype)
-        state += jnp.dot(x_weighted.T, b_ref[tok, :], preferred_element_type=jnp.float32)
-        return state, decay * masks.chunk_decay
-
-    state, decay = jax.lax.fori_loop(
-        0, static.segment_chunks, chunk,
-        (jnp.zeros(states_ref.shape, jnp.float32), jnp.float32(1.0)),
-    )
-    states_ref[...] = state
-    decays_ref[...] = jnp.full(decays_ref.shape, decay)
-
-
-def _segment_states(x, dt, s, b, seq, *, static):
-    """Each segment's own contribution to the state leaving it and its total decay.
-
-    For the first num_segments - 1 segments of each row (the last one's is never needed):
-    states (B, S - 1, H, Pp, Np) float32, the state leaving the segment when it is entered with
-    zero, and decays (B, S - 1, H, Pp) float32, the product of its chunks' decays (repeated over
-    Pp), so that the state entering segment k is sum_j<k (prod_j<i<k decay_i) states_j (+ h0
-    decayed through all of them).
-    """
-    batch, t_pad, heads, p_pad = x.shape
-    n_pad = b.shape[-1]
-    bp, num_p_blocks = static.block_p, p_pad // static.block_p
-    hpg = heads // b.shape[2]
-    in_specs = [
-        pl.BlockSpec((None, t_pad, None, bp), lambda j, h, i: (i, 0, h, j % num_p_blocks)),
-        pl.BlockSpec((None, None, t_pad), lambda j, h, i: (i, h, 0)),
-        pl.BlockSpec((None, None, t_pad), lambda j, h, i: (i, h, 0)),
-        pl.BlockSpec((None, t_pad, None, n_pad), lambda j, h, i: (i, 0, h // hpg, 0)),
-    ]
-    args = [x, dt, s, b]
-    if static.has_seq_idx:
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda j, h, i: (i, 0)))
-        args.append(seq)
-    segments = static.num_segments - 1
-    return pl.pallas_call(
-        functools.partial(_segment_states_kernel, static=static, num_p_blocks=num_p_blocks),
-        grid=(segments * num_p_blocks, heads, batch),
-        in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, None, None, bp, n_pad),
-                         lambda j, h, i: (i, j // num_p_blocks, h, j % num_p_blocks, 0)),
-            pl.BlockSpec((None, None, None, bp),
-                         lambda j, h, i: (i, j // num_p_blocks, h, j % num_p_blocks)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, segments, heads, p_pad, n_pad), jnp.float32),
-            jax.ShapeDtypeStruct((batch, segments, heads, p_pad), jnp.float32),
-        ],
-        compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
-        interpret=static.interpret,
-        name="ssd_segment_states",
-    )(*args)
-
-
 def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
     """Runs the scan kernel on padded, preprocessed inputs.
 
@@ -203,13 +131,8 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
         in_specs.append(state_spec)
         args.append(h0)
     if static.num_segments > 1:
-        segments = static.num_segments - 1
-        in_specs += [
-            pl.BlockSpec((None, segments, None, bp, n_pad),
-                         lambda j, h, i: (i, 0, h, j % num_p_blocks, 0)),
-            pl.BlockSpec((None, segments, None, bp), lambda j, h, i: (i, 0, h, j % num_p_blocks)),
-        ]
-        args += _segment_states(x, dt, s, b, seq, static=static)
+        in_specs += segments.specs(static, n_pad, num_p_blocks)
+        args += segments.segment_sums(x, dt, s, b, seq, static=static, kind="states")
     final_shape = jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32)
     if emit == "output":
         y_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
