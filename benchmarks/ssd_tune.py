@@ -25,7 +25,7 @@ from pallas_kernels import _compat
 from pallas_kernels.mamba2 import backward, common, forward, reference, tuning
 
 BLOCK_TS = (64, 128)
-SCAN_CANDIDATES = list(itertools.product((32, 64), (4, 8), (1, 2)))  # block_p, warps, stages
+SCAN_CANDIDATES = list(itertools.product((32, 64), (4, 8), (2, 3, 4)))  # block_p, warps, stages
 GRAD_CANDIDATES = list(itertools.product((8, 16, 40), (4, 8), (1, 2)))  # heads, warps, stages
 
 
@@ -110,7 +110,7 @@ def tune_shape(shape, log, quick=False, block_ts=BLOCK_TS):
         for block_p, warps, stages in scan_candidates:
             blocks = dataclasses.replace(default, block_t=block_t,
                                          block_p=min(block_p, shape.head_dim), num_warps=warps,
-                                         num_stages=stages)
+                                         num_stages=stages, forward_num_stages=stages)
             parts = time_parts(shape, block_t, blocks, operands, quick)
             parts.pop("chunk_gradients", None)
             row = dict(kind="scan", block_t=block_t, block_p=block_p, warps=warps,

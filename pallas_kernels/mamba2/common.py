@@ -22,7 +22,8 @@ class Static:
     has_z: bool
     has_initial_states: bool
     num_warps: int  # scan kernels
-    num_stages: int
+    num_stages: int  # scan kernels but the forward
+    forward_num_stages: int
     grad_num_warps: int  # chunk-gradient kernel
     grad_num_stages: int
     interpret: bool
@@ -53,6 +54,7 @@ class Static:
             ),
             num_warps=blocks.num_warps,
             num_stages=blocks.num_stages,
+            forward_num_stages=blocks.forward_num_stages or blocks.num_stages,
             grad_num_warps=blocks.grad_num_warps,
             grad_num_stages=blocks.grad_num_stages,
             interpret=interpret,

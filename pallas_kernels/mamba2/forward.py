@@ -154,7 +154,10 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
+        compiler_params=_compat.triton_params(
+            static.num_warps,
+            static.forward_num_stages if emit == "output" else static.num_stages,
+        ),
         interpret=static.interpret,
         name=f"ssd_forward_{emit}",
     )(*args)

@@ -15,18 +15,24 @@ class SSDBlocks:
     block_t: int  # largest chunk the kernels process at once
     block_p: int  # head-dim rows per program in the scan kernels
     heads_per_program: int  # most heads per program in the chunk-gradient kernel
-    num_warps: int  # scan kernels (forward, state recompute, state gradients)
-    num_stages: int
+    num_warps: int  # scan kernels (forward, state recompute, state gradients, segment sums)
+    num_stages: int  # scan kernels but the forward, and the dB/dC state terms
     grad_num_warps: int  # chunk-gradient kernel
     grad_num_stages: int
-    scan_programs: int = 1280  # the forward scan splits sequences into segments to reach this
-    min_segment_chunks: int = 8  # ...but keeps at least this many chunks in a segment
+    forward_num_stages: int | None = None  # the forward scan (None: num_stages)
+    scan_programs: int = 320  # scan kernels split sequences into segments up to this many programs
+    min_segment_chunks: int = 8  # ...keeping at least this many chunks in a segment
 
 
-# family -> [(largest padded state size N it covers, SSDBlocks)]. The hopper rows are measured by
-# benchmarks/ssd_tune.py on an H200 (benchmarks/results/ssd_tune_h200_*.json); the rest estimates.
+# family -> [(largest padded state size N it covers, SSDBlocks)]. The hopper rows are measured on an
+# H200 (benchmarks/ssd_tune.py, benchmarks/results/ssd_tune_h200_*.json; stages and segments by
+# end-to-end runs, benchmarks/NOTES.md; N 256 is not measured); the rest are estimates.
 _TABLE = {
-    "hopper": [(64, SSDBlocks(64, 64, 40, 4, 2, 4, 1)), (256, SSDBlocks(64, 64, 40, 4, 2, 4, 1))],
+    "hopper": [
+        (64, SSDBlocks(64, 64, 40, 4, 4, 4, 1, forward_num_stages=4)),
+        (128, SSDBlocks(64, 64, 40, 4, 3, 4, 1, forward_num_stages=2)),
+        (256, SSDBlocks(64, 64, 40, 4, 2, 4, 1)),
+    ],
     "ampere": [(64, SSDBlocks(64, 64, 16, 4, 2, 4, 1)), (256, SSDBlocks(64, 32, 16, 4, 2, 4, 1))],
     "cdna": [(64, SSDBlocks(64, 32, 8, 4, 1, 4, 1)), (256, SSDBlocks(32, 16, 8, 4, 1, 4, 1))],
     "fallback": [(64, SSDBlocks(64, 32, 8, 4, 1, 4, 1)), (256, SSDBlocks(32, 16, 8, 4, 1, 4, 1))],
