@@ -44,20 +44,24 @@ def _lower_train_step(device_kind, platform, *, t=4096, seq_idx=False, groups=1)
         return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
+# The forward scan, then the backward's state recompute, state gradients, chunk gradients and the
+# dB and dC state terms; on the H200 each of the three scans also runs its segment sums first (b 2
+# x 80 heads x one 64-row head-dim block = 160 walks: 2 segments), on gfx942 the 32-row head-dim
+# blocks make 320 walks, enough without segments.
+_TRITON_CALLS = {"cuda": 9, "rocm": 6}
+
+
 @pytest.mark.parametrize("seq_idx", [False, True], ids=["plain", "seq_idx"])
 @pytest.mark.parametrize("device_kind,platform", TARGETS, ids=[t[1] for t in TARGETS])
 def test_ssd_forward_and_backward_lower_to_triton(device_kind, platform, seq_idx):
     text = _lower_train_step(device_kind, platform, seq_idx=seq_idx)
-    # Segment sums and the forward scan, then the backward's segment sums and state recompute,
-    # segment sums and state gradients, chunk gradients and the dB and dC state terms (160
-    # walks of 64 chunks: 8 segments each).
-    assert text.count(TRITON_CALL) == 9
+    assert text.count(TRITON_CALL) == _TRITON_CALLS[platform]
 
 
 @pytest.mark.parametrize("device_kind,platform", TARGETS, ids=[t[1] for t in TARGETS])
 def test_ragged_length_and_groups_lower(device_kind, platform):
     text = _lower_train_step(device_kind, platform, t=1000, groups=8)
-    assert text.count(TRITON_CALL) == 9  # 16 chunks: 2 segments
+    assert text.count(TRITON_CALL) == _TRITON_CALLS[platform]
 
 
 @pytest.mark.parametrize("device_kind,platform", TARGETS, ids=[t[1] for t in TARGETS])
