@@ -58,7 +58,7 @@ def test_segmented_scan_matches_recurrence(seq_idx, monkeypatch):
     # in parallel, forced here at a small size: 150 tokens are 10 chunks of 16, 5 segments of 2.
     table = tuning.blocks_for
     monkeypatch.setattr(tuning, "blocks_for", lambda kind, n: dataclasses.replace(
-        table(kind, n), scan_programs=10**6, min_segment_chunks=2))
+        table(kind, n), segment_walks_below=10**6, scan_programs=10**6, min_segment_chunks=2))
     calls = []
     segment_sums = segments.segment_sums
     monkeypatch.setattr(segments, "segment_sums",

@@ -33,9 +33,10 @@ class Static:
                     interpret, **flags):
         """The Static of a tuning.SSDBlocks row; `flags` are the has_* fields.
 
-        The forward scan splits each row's chunks into equal segments of at least
-        `blocks.min_segment_chunks` chunks, as many as keep its programs (one per batch row, head,
-        head-dim block and segment) within `blocks.scan_programs`.
+        With fewer than `blocks.segment_walks_below` walks (batch row x head x head-dim block),
+        the scan kernels split each row's chunks into equal segments of at least
+        `blocks.min_segment_chunks` chunks, as many as keep their programs (one per walk and
+        segment) within `blocks.scan_programs`.
         """
         block_p = min(blocks.block_p, p_pad)
         walks = batch * heads * (p_pad // block_p)
@@ -49,7 +50,8 @@ class Static:
             num_segments=max(
                 s for s in range(1, num_chunks + 1)
                 if num_chunks % s == 0 and (s == 1 or (
-                    num_chunks // s >= blocks.min_segment_chunks
+                    walks < blocks.segment_walks_below
+                    and num_chunks // s >= blocks.min_segment_chunks
                     and s * walks <= blocks.scan_programs))
             ),
             num_warps=blocks.num_warps,

@@ -20,8 +20,12 @@ class SSDBlocks:
     grad_num_warps: int  # chunk-gradient kernel
     grad_num_stages: int
     forward_num_stages: int | None = None  # the forward scan (None: num_stages)
-    scan_programs: int = 320  # scan kernels split sequences into segments up to this many programs
-    min_segment_chunks: int = 8  # ...keeping at least this many chunks in a segment
+    # With fewer than `segment_walks_below` (batch row, head, head-dim block) walks, the scan
+    # kernels split sequences into segments, up to `scan_programs` programs and at least
+    # `min_segment_chunks` chunks a segment.
+    segment_walks_below: int = 320
+    scan_programs: int = 1280
+    min_segment_chunks: int = 8
 
 
 # family -> [(largest padded state size N it covers, SSDBlocks)]. The hopper rows are measured on an
