@@ -22,7 +22,7 @@ class Static:
     has_z: bool
     has_initial_states: bool
     num_warps: int  # scan kernels
-    num_stages: int  # scan kernels but the forward
+    num_stages: int  # scan kernels but the forward, and the dB/dC state terms
     forward_num_stages: int
     grad_num_warps: int  # chunk-gradient kernel
     grad_num_stages: int
@@ -63,10 +63,9 @@ class Static:
             **flags,
         )
 
-
     @property
     def segment_chunks(self):
-        """Chunks per segment of the forward scan (num_segments divides num_chunks)."""
+        """Chunks per segment of the scan kernels (num_segments divides num_chunks)."""
         return self.num_chunks // self.num_segments
 
 

@@ -12,10 +12,10 @@ j <= l (the kernels hold s in base 2: `common.chunk_log2_decays`). Chunk states 
 program; the backward's recompute pass asks the same kernel to write the state entering each
 chunk instead of the output (`emit="states"`).
 
-A serial walk over all chunks leaves the GPU idle when batch x heads is small or the programs
-fill a wave and a bit (320 programs at 2 per SM on 132 SMs run as two waves). So when
-`static.num_segments` > 1 the chunks are split into equal segments walked in parallel, each
-program starting from the state entering its segment, built from `segments.segment_sums`.
+A serial walk over all chunks leaves most of the GPU idle when batch x heads is small (160 walks
+on 132 SMs that could each run two). So when `static.num_segments` > 1 the chunks are split into
+equal segments walked in parallel, each program starting from the state entering its segment,
+built from `segments.segment_sums`.
 """
 
 import functools

@@ -1,9 +1,9 @@
 """Segment sums that let the scan kernels walk segments of a sequence in parallel.
 
-A walk over all chunks of a row is serial, and with few (batch row, head) pairs, or a program
-count just past a wave, it leaves the GPU idle. When `static.num_segments` S > 1 the scan kernels
-split the chunks into S equal segments walked by separate programs; each program first needs
-what its segment receives from the others, built from the sums of this module's kernel:
+A walk over all chunks of a row is serial, and with few (batch row, head) pairs it leaves most of
+the GPU idle. When `static.num_segments` S > 1 the scan kernels split the chunks into S equal
+segments walked by separate programs; each program first needs what its segment receives from
+the others, built from the sums of this module's kernel:
 
 * kind "states" (forward scan, state recompute): for segments 0 .. S-2, the state leaving the
   segment when it is entered with zero, sum over its chunks c of (x dt to_end decay_after_c)^T B
@@ -15,7 +15,8 @@ what its segment receives from the others, built from the sums of this module's 
   from G_{S-1} = the final state's cotangent (or zero).
 
 Either sum is one matmul accumulation per program (the only dependence between chunks is the
-running scalar product of decays), so it costs about a read of x (or dY).
+running scalar product of decays); its floor is one read of x (or dY), and on an H200 it takes
+about 1.7x that (benchmarks/NOTES.md), which is why short lists of walks are not split.
 """
 
 import functools
