@@ -16,6 +16,10 @@ After the forward kernel recomputes the state entering each chunk (`forward(emit
   partial sums to the state terms, sum over the group's heads of the decay-scaled x bar times G
   (dB) or dY times H (dC), accumulating one (Q, N) tile over the heads.
 
+Decays are written here as exp of natural-log cumsums s, as in forward.py; the kernels hold s
+in base 2 (`common.chunk_log2_decays`) and take exp2, the same numbers. The log-decay gradient is
+built from products (dY . y, xbar . dxbar, <G, H>), so it comes out in natural-log units.
+
 The recurrences carry states and their gradients in float32; the copies that pass between the
 kernels (matmul operands there) are stored in the inputs' dtype, as mamba_ssm stores its states.
 """
