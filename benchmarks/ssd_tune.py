@@ -110,8 +110,7 @@ def tune_shape(shape, log, quick=False, block_ts=BLOCK_TS):
         for block_p, warps, stages in scan_candidates:
             blocks = dataclasses.replace(default, block_t=block_t,
                                          block_p=min(block_p, shape.head_dim), num_warps=warps,
-                                         num_stages=stages, forward_num_stages=stages,
-                                         recompute_num_stages=stages, segment_num_stages=stages)
+                                         num_stages=stages, forward_num_stages=stages)
             parts = time_parts(shape, block_t, blocks, operands, quick)
             parts.pop("chunk_gradients", None)
             row = dict(kind="scan", block_t=block_t, block_p=block_p, warps=warps,

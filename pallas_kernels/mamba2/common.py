@@ -24,8 +24,6 @@ class Static:
     num_warps: int  # scan kernels
     num_stages: int  # scan kernels but the forward, and the dB/dC state terms
     forward_num_stages: int
-    recompute_num_stages: int  # the forward kernel writing states for the backward
-    segment_num_stages: int
     grad_num_warps: int  # chunk-gradient kernel
     grad_num_stages: int
     interpret: bool
@@ -59,8 +57,6 @@ class Static:
             num_warps=blocks.num_warps,
             num_stages=blocks.num_stages,
             forward_num_stages=blocks.forward_num_stages or blocks.num_stages,
-            recompute_num_stages=blocks.recompute_num_stages or blocks.num_stages,
-            segment_num_stages=blocks.segment_num_stages or blocks.num_stages,
             grad_num_warps=blocks.grad_num_warps,
             grad_num_stages=blocks.grad_num_stages,
             interpret=interpret,

@@ -156,7 +156,7 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
         out_shape=out_shape,
         compiler_params=_compat.triton_params(
             static.num_warps,
-            static.forward_num_stages if emit == "output" else static.recompute_num_stages,
+            static.forward_num_stages if emit == "output" else static.num_stages,
         ),
         interpret=static.interpret,
         name=f"ssd_forward_{emit}",

@@ -96,7 +96,7 @@ def segment_sums(tokens, dt, s, operand, seq, *, static, kind):
             jax.ShapeDtypeStruct((batch, segments, heads, p_pad, n_pad), jnp.float32),
             jax.ShapeDtypeStruct((batch, segments, heads, p_pad), jnp.float32),
         ],
-        compiler_params=_compat.triton_params(static.num_warps, static.segment_num_stages),
+        compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
         interpret=static.interpret,
         name=f"ssd_segment_{kind}",
     )(*args)

@@ -20,10 +20,6 @@ class SSDBlocks:
     grad_num_warps: int  # chunk-gradient kernel
     grad_num_stages: int
     forward_num_stages: int | None = None  # the forward scan (None: num_stages)
-    # The state recompute and the segment sums hold few registers: with fewer stages (less
-    # shared memory) more of their programs share an SM (None: num_stages).
-    recompute_num_stages: int | None = None
-    segment_num_stages: int | None = None
     # With fewer than `segment_walks_below` (batch row, head, head-dim block) walks, the scan
     # kernels split sequences into segments, up to `scan_programs` programs and at least
     # `min_segment_chunks` chunks a segment.
