@@ -66,10 +66,9 @@ def time_parts(shape, block_t, blocks, operands, interpret):
         parts["states"] = time_call(states_fn, x, dt_step, s, B, C)
         states = states_fn(x, dt_step, s, B, C)
         parts["state_gradients"] = time_call(run(lambda *a: backward.state_gradients(
-            *a, static=static)[:2]), dy, dt_step, s, C, None, None, states)
-        passing = jnp.zeros((shape.batch, shape.heads, static.num_chunks), jnp.float32)
+            *a, static=static)[0]), dy, dt_step, s, C, None, None)
         parts["chunk_gradients"] = time_call(run(lambda *a: backward.chunk_gradients(
-            *a, static=static)), x, dy, dt_step, s, B, C, None, d, states, states, passing)
+            *a, static=static)), x, dy, dt_step, s, B, C, None, d, states, states)
     except Exception as error:  # noqa: BLE001 - a tile that fails to compile is a result
         parts["error"] = f"{type(error).__name__}: {str(error)[:200]}"
     return parts

@@ -314,10 +314,9 @@ def _ssd_bwd(static, residuals, cotangents):
     states, _ = forward.forward(x, dt_step, s, B, C, seq, None, None, h0, static=static,
                                 emit="states")
     dfinal = dfinal.astype(jnp.float32)
-    gstates, passing, dh0 = backward.state_gradients(dy, dt_step, s, C, seq, dfinal, states,
-                                                     static=static)
+    gstates, dh0 = backward.state_gradients(dy, dt_step, s, C, seq, dfinal, static=static)
     dx, ddt_x, dlog_decay, dB, dC = backward.chunk_gradients(
-        x, dy, dt_step, s, B, C, seq, D, states, gstates, passing, static=static
+        x, dy, dt_step, s, B, C, seq, D, states, gstates, static=static
     )
     ddt_step = dlog_decay * A[None, :, None] + ddt_x
     dA = jnp.sum(dlog_decay * dt_step, axis=(0, 2))

@@ -4,17 +4,17 @@ After the forward kernel recomputes the state entering each chunk (`forward(emit
 
 * `state_gradients`: one program per (batch row, head, head-dim block, segment: see
   `segments`) walks the chunks in reverse, G <- dH_local + exp(s_last) G, writing G (the
-  gradient of the state leaving each chunk), the initial-state gradient and the per-chunk
-  state-passing term of the log-decay gradient, exp(s_last) <G, H>, while G is in registers.
+  gradient of the state leaving each chunk) and the initial-state gradient.
 * `chunk_gradients`: one program per (chunk, block of one group's heads, batch row) loops over
   its heads. It computes C B^T once, writes dx and per-token float32 vectors per head (the dt'
   term of dx and the chunk-local parts of the gradient of the log decay a = dt' A, as
   dY . y - xbar . dxbar sums, so no (Q, Q) prefix sum is needed). For dB and dC it sums the
   (Q, Q) score gradient over its heads (C and B are shared by the group, so two matmuls per
   program give the intra-chunk terms).
-* `_state_terms` (twice: dB and dC): one program per (chunk, group, batch row) adds those
-  partial sums to the state terms, sum over the group's heads of the decay-scaled x bar times G
-  (dB) or dY times H (dC), accumulating one (Q, N) tile over the heads.
+* `_state_terms`: one program per (chunk, group, batch row) adds those partial sums to the
+  state terms, sums over the group's heads of the decay-scaled x bar times G (dB) and dY times
+  H (dC), accumulating two (Q, N) tiles over the heads. With both G and H loaded, it also gives
+  the per-chunk state-passing term of the log-decay gradient, exp(s_last) <G, H>.
 
 Decays are written here as exp of natural-log cumsums s, as in forward.py; the kernels hold s
 in base 2 (`common.chunk_log2_decays`) and take exp2, the same numbers. The log-decay gradient is
@@ -34,14 +34,13 @@ from pallas_kernels import _compat
 from pallas_kernels.mamba2 import common, segments
 
 
-def _state_gradients_kernel(dy_ref, s_ref, c_ref, states_ref, *refs, static, has_final,
-                            num_p_blocks):
+def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final, num_p_blocks):
     refs = list(refs)
     seq_ref = refs.pop(0) if static.has_seq_idx else None
     dfinal_ref = refs.pop(0) if has_final else None
     if static.num_segments > 1:
         segment_grads_ref, segment_decays_ref = refs.pop(0), refs.pop(0)
-    gstates_ref, passing_ref, dh0_ref = refs
+    gstates_ref, dh0_ref = refs
     segment = pl.program_id(0) // num_p_blocks
 
     def chunk(i, grad):
@@ -51,10 +50,6 @@ def _state_gradients_kernel(dy_ref, s_ref, c_ref, states_ref, *refs, static, has
         dy = dy_ref[tok, :]
         cmat = c_ref[tok, :]
         masks = common.chunk_masks(c, s_ref, seq_ref, static)
-        # The state-passing term of the log-decay gradient, exp(s_last) <G, H entering>, summed
-        # over N here (within each thread's rows) and over P by the caller.
-        overlap = jnp.sum(grad * states_ref[c].astype(jnp.float32), axis=1)
-        passing_ref[c, :] = masks.chunk_decay * overlap
         dy_weighted = (dy.astype(jnp.float32) * masks.from_start[:, None]).astype(cmat.dtype)
         local = jnp.dot(dy_weighted.T, cmat, preferred_element_type=jnp.float32)  # (P, N)
         return local + masks.chunk_decay * grad
@@ -79,14 +74,12 @@ def _state_gradients_kernel(dy_ref, s_ref, c_ref, states_ref, *refs, static, has
         dh0_ref[...] = grad
 
 
-def state_gradients(dy, dt, s, c, seq, dfinal, states, *, static):
-    """Gradients of the chunk-leaving states and of h0, and the state-passing decay term.
+def state_gradients(dy, dt, s, c, seq, dfinal, *, static):
+    """Gradients of the chunk-leaving states and of h0.
 
     dy (B, Tp, H, Pp) is the gradient of the pre-gate output; dt, s (B, H, Tp); c (B, Tp, G, Np);
-    seq (B, Tp) or None; dfinal (B, H, Pp, Np) float32 or None; states (B, nc, H, Pp, Np), the
-    states entering each chunk. Returns gstates (B, nc, H, Pp, Np) in dy's dtype, passing
-    (B, H, nc) float32 (exp(s_last) <G, H> per chunk: the gradient of each of the chunk's
-    log-decays through the state passed on) and dh0 (B, H, Pp, Np) float32.
+    seq (B, Tp) or None; dfinal (B, H, Pp, Np) float32 or None. Returns gstates
+    (B, nc, H, Pp, Np) in dy's dtype and dh0 (B, H, Pp, Np) float32.
     """
     batch, t_pad, heads, p_pad = dy.shape
     n_pad = c.shape[-1]
@@ -96,16 +89,12 @@ def state_gradients(dy, dt, s, c, seq, dfinal, states, *, static):
     state_spec = pl.BlockSpec(
         (None, None, bp, n_pad), lambda j, h, i: (i, h, j % num_p_blocks, 0)
     )
-    chunk_states = pl.BlockSpec(
-        (None, nc, None, bp, n_pad), lambda j, h, i: (i, 0, h, j % num_p_blocks, 0)
-    )
     in_specs = [
         pl.BlockSpec((None, t_pad, None, bp), lambda j, h, i: (i, 0, h, j % num_p_blocks)),
         pl.BlockSpec((None, None, t_pad), lambda j, h, i: (i, h, 0)),
         pl.BlockSpec((None, t_pad, None, n_pad), lambda j, h, i: (i, 0, h // hpg, 0)),
-        chunk_states,
     ]
-    args = [dy, s, c, states]
+    args = [dy, s, c]
     if static.has_seq_idx:
         in_specs.append(pl.BlockSpec((None, t_pad), lambda j, h, i: (i, 0)))
         args.append(seq)
@@ -115,26 +104,25 @@ def state_gradients(dy, dt, s, c, seq, dfinal, states, *, static):
     if static.num_segments > 1:
         in_specs += segments.specs(static, n_pad, num_p_blocks)
         args += segments.segment_sums(dy, dt, s, c, seq, static=static, kind="gradients")
-    gstates, passing, dh0 = pl.pallas_call(
+    gstates, dh0 = pl.pallas_call(
         functools.partial(_state_gradients_kernel, static=static, has_final=dfinal is not None,
                           num_p_blocks=num_p_blocks),
         grid=(static.num_segments * num_p_blocks, heads, batch),
         in_specs=in_specs,
         out_specs=[
-            chunk_states,
-            pl.BlockSpec((None, None, nc, bp), lambda j, h, i: (i, h, 0, j % num_p_blocks)),
+            pl.BlockSpec((None, nc, None, bp, n_pad),
+                         lambda j, h, i: (i, 0, h, j % num_p_blocks, 0)),
             state_spec,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), dy.dtype),
-            jax.ShapeDtypeStruct((batch, heads, nc, p_pad), jnp.float32),
             jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32),
         ],
         compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
         interpret=static.interpret,
         name="ssd_state_gradients",
     )(*args)
-    return gstates, passing.sum(axis=3), dh0
+    return gstates, dh0
 
 
 def _chunk_gradients_kernel(
@@ -192,18 +180,18 @@ def _chunk_gradients_kernel(
     dc_ref[...] = jnp.dot(dscores_sum.astype(dtype), b, preferred_element_type=jnp.float32)
 
 
-def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, passing, *, static):
+def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
     """dx, the per-head float32 vectors (ddt_x, dlog_decay) and the group-summed dB, dC.
 
     x, dy (B, Tp, H, Pp); dt, s (B, H, Tp) float32; b, c (B, Tp, G, Np); seq (B, Tp) or None;
-    d (H, Pp) float32 or None; states, gstates (B, nc, H, Pp, Np); passing (B, H, nc) float32
-    from `state_gradients`. Returns dx (B, Tp, H, Pp) in x's dtype; ddt_x (the dt' term of dx)
-    and dlog_decay (the gradient of a = dt' A) (B, H, Tp) float32; db and dc (B, Tp, G, Np) in
-    b's dtype.
+    d (H, Pp) float32 or None; states, gstates (B, nc, H, Pp, Np). Returns dx (B, Tp, H, Pp)
+    in x's dtype; ddt_x (the dt' term of dx) and dlog_decay (the gradient of a = dt' A)
+    (B, H, Tp) float32; db and dc (B, Tp, G, Np) in b's dtype.
 
     One program per (chunk, block of `static.heads_per_program` heads of one group, batch row).
     The head blocks' float32 partial sums and the state terms of dB, dC are added by
-    `_state_terms` (one program per chunk and group, looping over its heads), the log-decay
+    `_state_terms` (one program per chunk and group, looping over its heads; it also gives the
+    state-passing term of the log-decay gradient), the log-decay
     gradient's reverse cumsum by XLA: a fixed order (deterministic, no atomics).
     """
     batch, t_pad, heads, p_pad = x.shape
@@ -242,9 +230,8 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, passing, *, sta
         name="ssd_chunk_gradients",
     )(*args)
 
-    terms = functools.partial(_state_terms, groups=groups, dtype=b.dtype, static=static)
-    db = terms(x, dt, s, seq, gstates, db_parts, kind="db")
-    dc = terms(dy, dt, s, seq, states, dc_parts, kind="dc")
+    db, dc, passing = _state_terms(x, dy, dt, s, seq, states, gstates, db_parts, dc_parts,
+                                   groups=groups, dtype=b.dtype, static=static)
 
     # Gradient of the log decay a_t. Within a chunk the decays depend on a only through the
     # cumsum s, so d/da_t = sum_{u >= t} d/ds_u. Each decay is exp(s_end - s_start) of a span
@@ -266,58 +253,79 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, passing, *, sta
     return dx, ddt_x, dlog_decay, db, dc
 
 
-def _state_terms_kernel(tokens_ref, dt_ref, s_ref, chunk_states_ref, parts_ref, *refs, static,
-                        kind):
+def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, states_ref, gstates_ref, db_parts_ref,
+                        dc_parts_ref, *refs, static):
     seq_ref = refs[0] if static.has_seq_idx else None
-    out_ref = refs[-1]
+    db_ref, dc_ref, passing_ref = refs[-3:]
     c = pl.program_id(0)
-    acc = parts_ref[0]
-    for k in range(1, parts_ref.shape[0]):
-        acc += parts_ref[k]
+    db, dc = db_parts_ref[0], dc_parts_ref[0]
+    for k in range(1, db_parts_ref.shape[0]):
+        db += db_parts_ref[k]
+        dc += dc_parts_ref[k]
 
-    def head(j, acc):
+    def head(j, accs):
+        db, dc = accs
         masks = common.chunk_masks(c, s_ref, seq_ref, static, head=j)
-        if kind == "db":  # x bar, decayed to the chunk's end, times G (P, N)
-            scale = masks.to_end * dt_ref[j, common.chunk_tokens(c, static)]
-        else:  # dY, decayed from the chunk's start, times H (P, N)
-            scale = masks.from_start
-        scaled = tokens_ref[:, j, :].astype(jnp.float32) * scale[:, None]
-        state = chunk_states_ref[j]
-        return acc + jnp.dot(scaled.astype(state.dtype), state, preferred_element_type=jnp.float32)
+        state, grad = states_ref[j], gstates_ref[j]  # (P, N): entering, gradient of leaving
+        # dB: x bar decayed to the chunk's end, times G; dC: dY decayed from its start, times H.
+        x_scale = masks.to_end * dt_ref[j, common.chunk_tokens(c, static)]
+        x_scaled = x_ref[:, j, :].astype(jnp.float32) * x_scale[:, None]
+        dy_scaled = dy_ref[:, j, :].astype(jnp.float32) * masks.from_start[:, None]
+        db += jnp.dot(x_scaled.astype(grad.dtype), grad, preferred_element_type=jnp.float32)
+        dc += jnp.dot(dy_scaled.astype(state.dtype), state, preferred_element_type=jnp.float32)
+        # The state-passing term of the log-decay gradient, exp(s_last) <G, H>, summed over N
+        # here and over P by the caller.
+        overlap = jnp.sum(grad.astype(jnp.float32) * state.astype(jnp.float32), axis=1)
+        passing_ref[j, :] = masks.chunk_decay * overlap
+        return db, dc
 
-    out_ref[...] = jax.lax.fori_loop(0, tokens_ref.shape[1], head, acc).astype(out_ref.dtype)
+    db, dc = jax.lax.fori_loop(0, x_ref.shape[1], head, (db, dc))
+    db_ref[...] = db.astype(db_ref.dtype)
+    dc_ref[...] = dc.astype(dc_ref.dtype)
 
 
-def _state_terms(tokens, dt, s, seq, chunk_states, parts, *, groups, dtype, static, kind):
-    """dB (kind "db") or dC ("dc"), (B, Tp, G, Np) in `dtype`: the intra-chunk parts
-    (B, H / heads_per_program, Tp, Np) float32 summed, plus the state terms summed over the
-    group's heads, sum_{h, p} xbar to_end G (dB) or dY from_start H (dC).
+def _state_terms(x, dy, dt, s, seq, states, gstates, db_parts, dc_parts, *, groups, dtype,
+                 static):
+    """dB and dC, (B, Tp, G, Np) in `dtype`, and the state-passing term of the log-decay
+    gradient, passing (B, H, nc) float32 (exp(s_last) <G, H> per chunk: the gradient of each of
+    the chunk's log-decays through the state passed on).
 
-    tokens (B, Tp, H, Pp) are x for dB and dY for dC; chunk_states (B, nc, H, Pp, Np) are G for
-    dB and H for dC. One program per (chunk, group, batch row) loops over the group's heads.
+    dB and dC are the intra-chunk parts (B, H / heads_per_program, Tp, Np) float32 summed, plus
+    the state terms summed over the group's heads: sum_{h, p} xbar to_end G (dB) and
+    dY from_start H (dC). x, dy (B, Tp, H, Pp); states H and gstates G (B, nc, H, Pp, Np). One
+    program per (chunk, group, batch row) loops over the group's heads; it loads both H and G,
+    so <G, H> costs no extra read here (the state-gradient walk would have to read H for it).
     """
-    batch, t_pad, heads, p_pad = tokens.shape
-    n_pad = chunk_states.shape[-1]
+    batch, t_pad, heads, p_pad = x.shape
+    n_pad = states.shape[-1]
     hpg, q, nc = heads // groups, static.block_t, static.num_chunks
-    blocks_per_group = parts.shape[1] // groups
-    in_specs = [
-        pl.BlockSpec((None, q, hpg, p_pad), lambda ci, g, i: (i, ci, g, 0)),
-        pl.BlockSpec((None, hpg, t_pad), lambda ci, g, i: (i, g, 0)),
-        pl.BlockSpec((None, hpg, t_pad), lambda ci, g, i: (i, g, 0)),
-        pl.BlockSpec((None, None, hpg, p_pad, n_pad), lambda ci, g, i: (i, ci, g, 0, 0)),
-        pl.BlockSpec((None, blocks_per_group, q, n_pad), lambda ci, g, i: (i, g, ci, 0)),
-    ]
-    args = [tokens, dt, s, chunk_states, parts]
+    blocks_per_group = db_parts.shape[1] // groups
+    tokens = pl.BlockSpec((None, q, hpg, p_pad), lambda ci, g, i: (i, ci, g, 0))
+    per_head = pl.BlockSpec((None, hpg, t_pad), lambda ci, g, i: (i, g, 0))
+    chunk_states = pl.BlockSpec((None, None, hpg, p_pad, n_pad), lambda ci, g, i: (i, ci, g, 0, 0))
+    parts = pl.BlockSpec((None, blocks_per_group, q, n_pad), lambda ci, g, i: (i, g, ci, 0))
+    in_specs = [tokens, tokens, per_head, per_head, chunk_states, chunk_states, parts, parts]
+    args = [x, dy, dt, s, states, gstates, db_parts, dc_parts]
     if static.has_seq_idx:
         in_specs.append(pl.BlockSpec((None, t_pad), lambda ci, g, i: (i, 0)))
         args.append(seq)
-    return pl.pallas_call(
-        functools.partial(_state_terms_kernel, static=static, kind=kind),
+    group_tokens = pl.BlockSpec((None, q, None, n_pad), lambda ci, g, i: (i, ci, g, 0))
+    db, dc, passing = pl.pallas_call(
+        functools.partial(_state_terms_kernel, static=static),
         grid=(nc, groups, batch),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, q, None, n_pad), lambda ci, g, i: (i, ci, g, 0)),
-        out_shape=jax.ShapeDtypeStruct((batch, t_pad, groups, n_pad), dtype),
+        out_specs=[
+            group_tokens,
+            group_tokens,
+            pl.BlockSpec((None, hpg, None, p_pad), lambda ci, g, i: (i, g, ci, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, t_pad, groups, n_pad), dtype),
+            jax.ShapeDtypeStruct((batch, t_pad, groups, n_pad), dtype),
+            jax.ShapeDtypeStruct((batch, heads, nc, p_pad), jnp.float32),
+        ],
         compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
         interpret=static.interpret,
-        name=f"ssd_{kind}",
+        name="ssd_state_terms",
     )(*args)
+    return db, dc, passing.sum(axis=3)
