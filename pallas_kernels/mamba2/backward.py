@@ -126,8 +126,7 @@ def state_gradients(dy, dt, s, c, seq, dfinal, *, static):
 
 
 def _chunk_gradients_kernel(
-    x_ref, dy_ref, dt_ref, s_ref, b_ref, c_ref, states_ref, gstates_ref, *refs, static,
-    heads_per_program,
+    x_ref, dy_ref, dt_ref, s_ref, b_ref, c_ref, gstates_ref, *refs, static, heads_per_program,
 ):
     refs = list(refs)
     seq_ref = refs.pop(0) if static.has_seq_idx else None
@@ -146,7 +145,6 @@ def _chunk_gradients_kernel(
         dy = dy_ref[:, j, :]
         dt = dt_ref[j, common.chunk_tokens(c, static)]
         masks = common.chunk_masks(c, s_ref, seq_ref, static, head=j)
-        state = states_ref[j].astype(dtype)  # (P, N): entering the chunk
         grad = gstates_ref[j].astype(dtype)  # (P, N): gradient of the state leaving it
         x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
         x_bar = (x32 * dt[:, None]).astype(dtype)
@@ -160,14 +158,11 @@ def _chunk_gradients_kernel(
             dx += d_ref[j, :][None, :] * dy32
         dx_ref[:, j, :] = dx.astype(dx_ref.dtype)
         ddt_ref[j, :] = jnp.sum(dx_bar * x32, axis=1)
-        # The log-decay gradient's per-token parts (see `chunk_gradients`). The output before
-        # D, intra-chunk plus carried state, (Q, P):
+        # The log-decay gradient's intra-chunk per-token parts (see `chunk_gradients`), with
+        # the intra-chunk output before D, (Q, P):
         x_bar32 = x_bar.astype(jnp.float32)
-        y_inner = jnp.dot(weights, x_bar, preferred_element_type=jnp.float32) + (
-            masks.from_start[:, None]
-            * jnp.dot(cmat, state.T, preferred_element_type=jnp.float32)
-        )
-        dcumsum_ref[j, :] = jnp.sum(dy32 * y_inner - x_bar32 * dx_bar_intra, axis=1)
+        y_intra = jnp.dot(weights, x_bar, preferred_element_type=jnp.float32)
+        dcumsum_ref[j, :] = jnp.sum(dy32 * y_intra - x_bar32 * dx_bar_intra, axis=1)
         into_state_ref[j, :] = masks.to_end * jnp.sum(x_bar32 * grad_b, axis=1)
         return dscores_sum + masks.decay * jnp.dot(dy, x_bar.T, preferred_element_type=jnp.float32)
 
@@ -207,9 +202,8 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
     )
     partial = pl.BlockSpec((None, None, q, n_pad), lambda ci, k, i: (i, k, ci, 0))
     chunk_states = pl.BlockSpec((None, None, hb, p_pad, n_pad), lambda ci, k, i: (i, ci, k, 0, 0))
-    in_specs = [tokens, tokens, per_head_full, per_head_full, group, group, chunk_states,
-                chunk_states]
-    args = [x, dy, dt, s, b, c, states, gstates]
+    in_specs = [tokens, tokens, per_head_full, per_head_full, group, group, chunk_states]
+    args = [x, dy, dt, s, b, c, gstates]
     if static.has_seq_idx:
         in_specs.append(pl.BlockSpec((None, t_pad), lambda ci, k, i: (i, 0)))
         args.append(seq)
@@ -230,8 +224,9 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
         name="ssd_chunk_gradients",
     )(*args)
 
-    db, dc, passing = _state_terms(x, dy, dt, s, seq, states, gstates, db_parts, dc_parts,
-                                   groups=groups, dtype=b.dtype, static=static)
+    db, dc, passing, carried = _state_terms(x, dy, dt, s, c, seq, states, gstates, db_parts,
+                                            dc_parts, groups=groups, dtype=b.dtype,
+                                            static=static)
 
     # Gradient of the log decay a_t. Within a chunk the decays depend on a only through the
     # cumsum s, so d/da_t = sum_{u >= t} d/ds_u. Each decay is exp(s_end - s_start) of a span
@@ -246,18 +241,20 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
     rows, cols = jnp.arange(q)[:, None], jnp.arange(q)[None, :]
     sums = jnp.concatenate([rows >= cols, rows < cols]).astype(jnp.float32)
     per_chunk = jnp.concatenate(
-        [dcumsum.reshape(batch, heads, nc, q), into_state.reshape(batch, heads, nc, q)], axis=-1
+        [(dcumsum + carried).reshape(batch, heads, nc, q), into_state.reshape(batch, heads, nc, q)],
+        axis=-1
     )
     in_chunk = jnp.matmul(per_chunk, sums, precision=jax.lax.Precision.HIGHEST)
     dlog_decay = (in_chunk + passing[..., None]).reshape(batch, heads, t_pad)
     return dx, ddt_x, dlog_decay, db, dc
 
 
-def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, states_ref, gstates_ref, db_parts_ref,
-                        dc_parts_ref, *refs, static):
+def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, c_ref, states_ref, gstates_ref,
+                        db_parts_ref, dc_parts_ref, *refs, static):
     seq_ref = refs[0] if static.has_seq_idx else None
-    db_ref, dc_ref, passing_ref = refs[-3:]
+    db_ref, dc_ref, passing_ref, carried_ref = refs[-4:]
     c = pl.program_id(0)
+    cmat = c_ref[...]
     db, dc = db_parts_ref[0], dc_parts_ref[0]
     for k in range(1, db_parts_ref.shape[0]):
         db += db_parts_ref[k]
@@ -273,6 +270,10 @@ def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, states_ref, gstates_ref, d
         dy_scaled = dy_ref[:, j, :].astype(jnp.float32) * masks.from_start[:, None]
         db += jnp.dot(x_scaled.astype(grad.dtype), grad, preferred_element_type=jnp.float32)
         dc += jnp.dot(dy_scaled.astype(state.dtype), state, preferred_element_type=jnp.float32)
+        # The log-decay gradient's per-token part through the carried state (the output's
+        # term from the state entering the chunk, dY_l . exp(s_l) (C H^T)_l).
+        carried = jnp.dot(cmat, state.T, preferred_element_type=jnp.float32)  # (Q, P)
+        carried_ref[j, :] = jnp.sum(dy_scaled * carried, axis=1)
         # The state-passing term of the log-decay gradient, exp(s_last) <G, H>, summed over N
         # here and over P by the caller.
         overlap = jnp.sum(grad.astype(jnp.float32) * state.astype(jnp.float32), axis=1)
@@ -284,7 +285,7 @@ def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, states_ref, gstates_ref, d
     dc_ref[...] = dc.astype(dc_ref.dtype)
 
 
-def _state_terms(x, dy, dt, s, seq, states, gstates, db_parts, dc_parts, *, groups, dtype,
+def _state_terms(x, dy, dt, s, c, seq, states, gstates, db_parts, dc_parts, *, groups, dtype,
                  static):
     """dB and dC, (B, Tp, G, Np) in `dtype`, and the state-passing term of the log-decay
     gradient, passing (B, H, nc) float32 (exp(s_last) <G, H> per chunk: the gradient of each of
@@ -304,13 +305,14 @@ def _state_terms(x, dy, dt, s, seq, states, gstates, db_parts, dc_parts, *, grou
     per_head = pl.BlockSpec((None, hpg, t_pad), lambda ci, g, i: (i, g, 0))
     chunk_states = pl.BlockSpec((None, None, hpg, p_pad, n_pad), lambda ci, g, i: (i, ci, g, 0, 0))
     parts = pl.BlockSpec((None, blocks_per_group, q, n_pad), lambda ci, g, i: (i, g, ci, 0))
-    in_specs = [tokens, tokens, per_head, per_head, chunk_states, chunk_states, parts, parts]
-    args = [x, dy, dt, s, states, gstates, db_parts, dc_parts]
+    group_tokens = pl.BlockSpec((None, q, None, n_pad), lambda ci, g, i: (i, ci, g, 0))
+    in_specs = [tokens, tokens, per_head, per_head, group_tokens, chunk_states, chunk_states,
+                parts, parts]
+    args = [x, dy, dt, s, c, states, gstates, db_parts, dc_parts]
     if static.has_seq_idx:
         in_specs.append(pl.BlockSpec((None, t_pad), lambda ci, g, i: (i, 0)))
         args.append(seq)
-    group_tokens = pl.BlockSpec((None, q, None, n_pad), lambda ci, g, i: (i, ci, g, 0))
-    db, dc, passing = pl.pallas_call(
+    db, dc, passing, carried = pl.pallas_call(
         functools.partial(_state_terms_kernel, static=static),
         grid=(nc, groups, batch),
         in_specs=in_specs,
@@ -318,14 +320,16 @@ def _state_terms(x, dy, dt, s, seq, states, gstates, db_parts, dc_parts, *, grou
             group_tokens,
             group_tokens,
             pl.BlockSpec((None, hpg, None, p_pad), lambda ci, g, i: (i, g, ci, 0)),
+            pl.BlockSpec((None, hpg, q), lambda ci, g, i: (i, g, ci)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, t_pad, groups, n_pad), dtype),
             jax.ShapeDtypeStruct((batch, t_pad, groups, n_pad), dtype),
             jax.ShapeDtypeStruct((batch, heads, nc, p_pad), jnp.float32),
+            jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32),
         ],
-        compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
+        compiler_params=_compat.triton_params(static.terms_num_warps, static.num_stages),
         interpret=static.interpret,
         name="ssd_state_terms",
     )(*args)
-    return db, dc, passing.sum(axis=3)
+    return db, dc, passing.sum(axis=3), carried

@@ -26,6 +26,7 @@ class Static:
     forward_num_stages: int
     grad_num_warps: int  # chunk-gradient kernel
     grad_num_stages: int
+    terms_num_warps: int  # dB/dC state-term kernel
     interpret: bool
 
     @classmethod
@@ -59,6 +60,7 @@ class Static:
             forward_num_stages=blocks.forward_num_stages or blocks.num_stages,
             grad_num_warps=blocks.grad_num_warps,
             grad_num_stages=blocks.grad_num_stages,
+            terms_num_warps=blocks.terms_num_warps or blocks.num_warps,
             interpret=interpret,
             **flags,
         )

@@ -20,6 +20,7 @@ class SSDBlocks:
     grad_num_warps: int  # chunk-gradient kernel
     grad_num_stages: int
     forward_num_stages: int | None = None  # the forward scan (None: num_stages)
+    terms_num_warps: int | None = None  # the dB/dC state-term kernel (None: num_warps)
     # With fewer than `segment_walks_below` (batch row, head, head-dim block) walks, the scan
     # kernels split sequences into segments, up to `scan_programs` programs and at least
     # `min_segment_chunks` chunks a segment.
@@ -34,8 +35,8 @@ class SSDBlocks:
 _TABLE = {
     "hopper": [
         (64, SSDBlocks(64, 64, 40, 4, 4, 4, 1, forward_num_stages=4)),
-        (128, SSDBlocks(64, 64, 40, 4, 3, 4, 1, forward_num_stages=2)),
-        (256, SSDBlocks(64, 64, 40, 4, 2, 4, 1)),
+        (128, SSDBlocks(64, 64, 40, 4, 3, 4, 1, forward_num_stages=2, terms_num_warps=8)),
+        (256, SSDBlocks(64, 64, 40, 4, 2, 4, 1, terms_num_warps=8)),
     ],
     "ampere": [(64, SSDBlocks(64, 64, 16, 4, 2, 4, 1)), (256, SSDBlocks(64, 32, 16, 4, 2, 4, 1))],
     "cdna": [(64, SSDBlocks(64, 32, 8, 4, 1, 4, 1)), (256, SSDBlocks(32, 16, 8, 4, 1, 4, 1))],
