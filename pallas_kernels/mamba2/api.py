@@ -300,6 +300,7 @@ def _ssd_fwd(static, x, dt_step, A, B, C, D, z, h0, seq):
 
 
 def _ssd_bwd(static, residuals, cotangents):
+    static = static.for_backward()
     x, dt_step, A, B, C, D, z, h0, seq, y_pre = residuals
     dy, dfinal = cotangents
     dz = None

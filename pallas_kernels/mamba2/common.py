@@ -16,7 +16,8 @@ class Static:
     block_p: int  # head-dim rows per program of the scan kernels
     heads_per_program: int  # heads per program of the chunk-gradient kernel (divides H / G)
     num_chunks: int
-    num_segments: int  # the scan kernels split the chunks into this many runs (see `segments`)
+    num_segments: int  # the forward scan splits the chunks into this many runs (`segments`)
+    backward_num_segments: int  # the same for the backward's walks (see `backward`)
     has_seq_idx: bool
     has_d: bool
     has_z: bool
@@ -35,12 +36,23 @@ class Static:
         """The Static of a tuning.SSDBlocks row; `flags` are the has_* fields.
 
         With fewer than `blocks.segment_walks_below` walks (batch row x head x head-dim block),
-        the scan kernels split each row's chunks into equal segments of at least
+        the forward scan splits each row's chunks into equal segments of at least
         `blocks.min_segment_chunks` chunks, as many as keep their programs (one per walk and
-        segment) within `blocks.scan_programs`.
+        segment) within `blocks.scan_programs`; the backward's walks likewise below
+        `blocks.backward_segment_walks_below` walks.
         """
         block_p = min(blocks.block_p, p_pad)
         walks = batch * heads * (p_pad // block_p)
+
+        def num_segments(walks_below):
+            return max(
+                s for s in range(1, num_chunks + 1)
+                if num_chunks % s == 0 and (s == 1 or (
+                    walks < walks_below
+                    and num_chunks // s >= blocks.min_segment_chunks
+                    and s * walks <= blocks.scan_programs))
+            )
+
         return cls(
             block_t=block_t,
             block_p=block_p,
@@ -48,13 +60,8 @@ class Static:
                 k for k in range(1, blocks.heads_per_program + 1) if heads_per_group % k == 0
             ),
             num_chunks=num_chunks,
-            num_segments=max(
-                s for s in range(1, num_chunks + 1)
-                if num_chunks % s == 0 and (s == 1 or (
-                    walks < blocks.segment_walks_below
-                    and num_chunks // s >= blocks.min_segment_chunks
-                    and s * walks <= blocks.scan_programs))
-            ),
+            num_segments=num_segments(blocks.segment_walks_below),
+            backward_num_segments=num_segments(blocks.backward_segment_walks_below),
             num_warps=blocks.num_warps,
             num_stages=blocks.num_stages,
             forward_num_stages=blocks.forward_num_stages or blocks.num_stages,
@@ -64,6 +71,10 @@ class Static:
             interpret=interpret,
             **flags,
         )
+
+    def for_backward(self):
+        """This Static with the backward walks' segments (see `from_blocks`)."""
+        return dataclasses.replace(self, num_segments=self.backward_num_segments)
 
     @property
     def segment_chunks(self):

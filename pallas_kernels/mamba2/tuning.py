@@ -21,22 +21,29 @@ class SSDBlocks:
     grad_num_stages: int
     forward_num_stages: int | None = None  # the forward scan (None: num_stages)
     terms_num_warps: int | None = None  # the dB/dC state-term kernel (None: num_warps)
-    # With fewer than `segment_walks_below` (batch row, head, head-dim block) walks, the scan
-    # kernels split sequences into segments, up to `scan_programs` programs and at least
-    # `min_segment_chunks` chunks a segment.
+    # With fewer than `segment_walks_below` (batch row, head, head-dim block) walks, the forward
+    # scan splits sequences into segments, up to `scan_programs` programs and at least
+    # `min_segment_chunks` chunks a segment; the backward's walks (state recompute, state
+    # gradients) likewise below `backward_segment_walks_below` walks.
     segment_walks_below: int = 320
+    backward_segment_walks_below: int = 320
     scan_programs: int = 1280
     min_segment_chunks: int = 8
 
+
+# On an H200 the backward's walks run faster unsplit at 160 walks (b 2, T 8192, 80 heads); below
+# that (fewer walks than SMs) the split is kept.
+_HOPPER_SEGMENTS = dict(backward_segment_walks_below=160)
 
 # family -> [(largest padded state size N it covers, SSDBlocks)]. The hopper rows are measured on an
 # H200 (benchmarks/ssd_tune.py, benchmarks/results/ssd_tune_h200_*.json; stages and segments by
 # end-to-end runs, benchmarks/NOTES.md; N 256 is not measured); the rest are estimates.
 _TABLE = {
     "hopper": [
-        (64, SSDBlocks(64, 64, 40, 4, 4, 4, 1, forward_num_stages=4)),
-        (128, SSDBlocks(64, 64, 40, 4, 3, 4, 1, forward_num_stages=2, terms_num_warps=8)),
-        (256, SSDBlocks(64, 64, 40, 4, 2, 4, 1, terms_num_warps=8)),
+        (64, SSDBlocks(64, 64, 40, 4, 4, 4, 1, forward_num_stages=4, **_HOPPER_SEGMENTS)),
+        (128, SSDBlocks(64, 64, 40, 4, 3, 4, 1, forward_num_stages=2, terms_num_warps=8,
+                        **_HOPPER_SEGMENTS)),
+        (256, SSDBlocks(64, 64, 40, 4, 2, 4, 1, terms_num_warps=8, **_HOPPER_SEGMENTS)),
     ],
     "ampere": [(64, SSDBlocks(64, 64, 16, 4, 2, 4, 1)), (256, SSDBlocks(64, 32, 16, 4, 2, 4, 1))],
     "cdna": [(64, SSDBlocks(64, 32, 8, 4, 1, 4, 1)), (256, SSDBlocks(32, 16, 8, 4, 1, 4, 1))],
