@@ -7,14 +7,16 @@ After the forward kernel recomputes the state entering each chunk (`forward(emit
   gradient of the state leaving each chunk) and the initial-state gradient.
 * `chunk_gradients`: one program per (chunk, block of one group's heads, batch row) loops over
   its heads. It computes C B^T once, writes dx and per-token float32 vectors per head (the dt'
-  term of dx and the chunk-local parts of the gradient of the log decay a = dt' A, as
-  dY . y - xbar . dxbar sums, so no (Q, Q) prefix sum is needed). For dB and dC it sums the
+  term of dx and the intra-chunk parts of the gradient of the log decay a = dt' A, as
+  dY . y_intra - xbar . dxbar sums, so no (Q, Q) prefix sum is needed). For dB and dC it sums the
   (Q, Q) score gradient over its heads (C and B are shared by the group, so two matmuls per
   program give the intra-chunk terms).
 * `_state_terms`: one program per (chunk, group, batch row) adds those partial sums to the
   state terms, sums over the group's heads of the decay-scaled x bar times G (dB) and dY times
-  H (dC), accumulating two (Q, N) tiles over the heads. With both G and H loaded, it also gives
-  the per-chunk state-passing term of the log-decay gradient, exp(s_last) <G, H>.
+  H (dC), accumulating two (Q, N) tiles over the heads. With G, H and C loaded, it also gives
+  the log-decay gradient's terms through the states: per chunk the state-passing term
+  exp(s_last) <G, H>, and per token the output's part from the state entering the chunk,
+  dY_l . exp(s_l) (C H^T)_l.
 
 Decays are written here as exp of natural-log cumsums s, as in forward.py; the kernels hold s
 in base 2 (`common.chunk_log2_decays`) and take exp2, the same numbers. The log-decay gradient is
@@ -186,8 +188,8 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
     One program per (chunk, block of `static.heads_per_program` heads of one group, batch row).
     The head blocks' float32 partial sums and the state terms of dB, dC are added by
     `_state_terms` (one program per chunk and group, looping over its heads; it also gives the
-    state-passing term of the log-decay gradient), the log-decay
-    gradient's reverse cumsum by XLA: a fixed order (deterministic, no atomics).
+    log-decay gradient's terms through the states), the log-decay gradient's reverse cumsum by
+    XLA: a fixed order (deterministic, no atomics).
     """
     batch, t_pad, heads, p_pad = x.shape
     groups, n_pad = b.shape[2], b.shape[3]
@@ -232,17 +234,19 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
     # cumsum s, so d/da_t = sum_{u >= t} d/ds_u. Each decay is exp(s_end - s_start) of a span
     # (masks are constant), giving d/ds_end its own term and d/ds_start minus it. For the
     # outputs (spans ending at t, y before D) that is dY_t . y_t, and for the intra-chunk spans
-    # starting at t, -xbar_t . ((C B^T o L)^T dY)_t; both sums hold the same products, so the
-    # diagonal cancels exactly (the kernel's `dcumsum`). The spans into the leaving state start
-    # at j and all end at the last token: their reverse cumsum is sum_{j<t} into_state_j, plus
-    # the state passed on, exp(s_last) <G, H> (`passing`), for every t.
+    # starting at t, -xbar_t . ((C B^T o L)^T dY)_t; both sums over intra-chunk spans hold the
+    # same products, so the diagonal cancels exactly (the kernel's `dcumsum`); the output's
+    # spans from the chunk start (the carried state) add `carried`. The spans into the leaving
+    # state start at j and all end at the last token: their reverse cumsum is
+    # sum_{j<t} into_state_j, plus the state passed on, exp(s_last) <G, H> (`passing`), for
+    # every t.
     # Both in-chunk sums are one float32 matmul with a (2Q, Q) 0/1 matrix (XLA's cumsums here,
     # reduce-windows fused with the dt transposes, took ~65 us on an H200).
     rows, cols = jnp.arange(q)[:, None], jnp.arange(q)[None, :]
     sums = jnp.concatenate([rows >= cols, rows < cols]).astype(jnp.float32)
     per_chunk = jnp.concatenate(
-        [(dcumsum + carried).reshape(batch, heads, nc, q), into_state.reshape(batch, heads, nc, q)],
-        axis=-1
+        [(dcumsum + carried).reshape(batch, heads, nc, q),
+         into_state.reshape(batch, heads, nc, q)], axis=-1
     )
     in_chunk = jnp.matmul(per_chunk, sums, precision=jax.lax.Precision.HIGHEST)
     dlog_decay = (in_chunk + passing[..., None]).reshape(batch, heads, t_pad)
@@ -270,8 +274,8 @@ def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, c_ref, states_ref, gstates
         dy_scaled = dy_ref[:, j, :].astype(jnp.float32) * masks.from_start[:, None]
         db += jnp.dot(x_scaled.astype(grad.dtype), grad, preferred_element_type=jnp.float32)
         dc += jnp.dot(dy_scaled.astype(state.dtype), state, preferred_element_type=jnp.float32)
-        # The log-decay gradient's per-token part through the carried state (the output's
-        # term from the state entering the chunk, dY_l . exp(s_l) (C H^T)_l).
+        # The log-decay gradient's per-token part through the state entering the chunk,
+        # dY_l . exp(s_l) (C H^T)_l.
         carried = jnp.dot(cmat, state.T, preferred_element_type=jnp.float32)  # (Q, P)
         carried_ref[j, :] = jnp.sum(dy_scaled * carried, axis=1)
         # The state-passing term of the log-decay gradient, exp(s_last) <G, H>, summed over N
@@ -287,15 +291,19 @@ def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, c_ref, states_ref, gstates
 
 def _state_terms(x, dy, dt, s, c, seq, states, gstates, db_parts, dc_parts, *, groups, dtype,
                  static):
-    """dB and dC, (B, Tp, G, Np) in `dtype`, and the state-passing term of the log-decay
-    gradient, passing (B, H, nc) float32 (exp(s_last) <G, H> per chunk: the gradient of each of
-    the chunk's log-decays through the state passed on).
+    """(db, dc, passing, carried): dB and dC (B, Tp, G, Np) in `dtype`, and the log-decay
+    gradient's terms through the states, float32: passing (B, H, nc), exp(s_last) <G, H> per
+    chunk (the gradient of each of the chunk's log-decays through the state passed on), and
+    carried (B, H, Tp), dY_l . exp(s_l) (C H^T)_l (the output's part from the state entering
+    the chunk, its spans starting at the chunk start).
 
     dB and dC are the intra-chunk parts (B, H / heads_per_program, Tp, Np) float32 summed, plus
     the state terms summed over the group's heads: sum_{h, p} xbar to_end G (dB) and
-    dY from_start H (dC). x, dy (B, Tp, H, Pp); states H and gstates G (B, nc, H, Pp, Np). One
-    program per (chunk, group, batch row) loops over the group's heads; it loads both H and G,
-    so <G, H> costs no extra read here (the state-gradient walk would have to read H for it).
+    dY from_start H (dC). x, dy (B, Tp, H, Pp); c (B, Tp, G, Np); states H and gstates G
+    (B, nc, H, Pp, Np). One program per (chunk, group, batch row) loops over the group's heads.
+    It loads H and G anyway, so the log-decay terms cost no extra read here (the state-gradient
+    walk would have to read H for <G, H>, and the chunk kernel, short of registers, H for
+    C H^T).
     """
     batch, t_pad, heads, p_pad = x.shape
     n_pad = states.shape[-1]
