@@ -4,9 +4,10 @@
 
 Inputs as in benchmarks/ssd.py (16k tokens, H 80, P 64, bf16, dt' in mamba's range). For each
 chunk tile `block_t`, the scan-family kernels (forward, state recompute, state gradients) are timed
-for every (block_p, num_warps, num_stages) in SCAN_CANDIDATES and the chunk-gradient kernel for
-every (heads_per_program, grad_num_warps, num_stages) in GRAD_CANDIDATES; the fastest of each,
-combined, are then timed through `mamba_chunk_scan_combined` (forward and forward+backward).
+for every (block_p, num_warps, num_stages) in SCAN_CANDIDATES and the chunk-gradient kernel (with
+the dB/dC state-term kernel after it) for every (heads_per_program, grad_num_warps, num_stages)
+in GRAD_CANDIDATES; the fastest of each, combined with the table's other fields, are then timed
+through `mamba_chunk_scan_combined` (forward and forward+backward).
 Times are medians of back-to-back calls, synced once per batch of calls (amortised).
 """
 
@@ -134,8 +135,13 @@ def tune_shape(shape, log, quick=False, block_ts=BLOCK_TS):
                 grad_best = (row["chunk_gradients"], row)
         if scan_best and grad_best:
             s, g = scan_best[1], grad_best[1]
-            blocks = tuning.SSDBlocks(block_t, s["block_p"], g["heads"], s["warps"], s["stages"],
-                                      g["warps"], g["stages"])
+            # The fastest of each family; the table's other fields (the state-term kernel's
+            # warps, the segment rules) stay.
+            blocks = dataclasses.replace(
+                default, block_t=block_t, block_p=min(s["block_p"], shape.head_dim),
+                heads_per_program=g["heads"], num_warps=s["warps"], num_stages=s["stages"],
+                forward_num_stages=s["stages"], grad_num_warps=g["warps"],
+                grad_num_stages=g["stages"])
             fwd_ms, both_ms = end_to_end(shape, blocks, ssd.make_inputs(shape, seed=1),
                                          quick)
             best[block_t] = dict(blocks=dataclasses.asdict(blocks), fwd_ms=fwd_ms,
