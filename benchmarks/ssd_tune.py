@@ -56,6 +56,7 @@ def time_parts(shape, block_t, blocks, operands, interpret):
     """Milliseconds of each kernel for one set of tiles (None where it failed)."""
     x, dt_step, A, B, C, d, dy = operands
     static = static_for(blocks, shape, block_t, interpret)
+    backward_static = static.for_backward()  # the backward's walks split by their own rule
     s = common.chunk_log2_decays(dt_step, A, block_t)
     run = jax.jit
     parts = {}
@@ -63,13 +64,13 @@ def time_parts(shape, block_t, blocks, operands, interpret):
         parts["forward"] = time_call(run(lambda *a: forward.forward(
             *a, None, d, None, None, static=static)), x, dt_step, s, B, C)
         states_fn = run(lambda *a: forward.forward(
-            *a, None, None, None, None, static=static, emit="states")[0])
+            *a, None, None, None, None, static=backward_static, emit="states")[0])
         parts["states"] = time_call(states_fn, x, dt_step, s, B, C)
         states = states_fn(x, dt_step, s, B, C)
         parts["state_gradients"] = time_call(run(lambda *a: backward.state_gradients(
-            *a, static=static)[0]), dy, dt_step, s, C, None, None)
+            *a, static=backward_static)[0]), dy, dt_step, s, C, None, None)
         parts["chunk_gradients"] = time_call(run(lambda *a: backward.chunk_gradients(
-            *a, static=static)), x, dy, dt_step, s, B, C, None, d, states, states)
+            *a, static=backward_static)), x, dy, dt_step, s, B, C, None, d, states, states)
     except Exception as error:  # noqa: BLE001 - a tile that fails to compile is a result
         parts["error"] = f"{type(error).__name__}: {str(error)[:200]}"
     return parts
