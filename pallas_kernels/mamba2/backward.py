@@ -8,15 +8,14 @@ After the forward kernel recomputes the state entering each chunk (`forward(emit
 * `chunk_gradients`: one program per (chunk, block of one group's heads, batch row) loops over
   its heads. It computes C B^T once, writes dx and per-token float32 vectors per head (the dt'
   term of dx and the intra-chunk parts of the gradient of the log decay a = dt' A, as
-  dY . y_intra - xbar . dxbar sums, so no (Q, Q) prefix sum is needed). For dB and dC it sums the
-  (Q, Q) score gradient over its heads (C and B are shared by the group, so two matmuls per
-  program give the intra-chunk terms).
-* `_state_terms`: one program per (chunk, group, batch row) adds those partial sums to the
-  state terms, sums over the group's heads of the decay-scaled x bar times G (dB) and dY times
-  H (dC), accumulating two (Q, N) tiles over the heads. With G, H and C loaded, it also gives
-  the log-decay gradient's terms through the states: per chunk the state-passing term
-  exp(s_last) <G, H>, and per token the output's part from the state entering the chunk,
-  dY_l . exp(s_l) (C H^T)_l.
+  dY . y_intra - xbar . dxbar sums, so no (Q, Q) prefix sum is needed).
+* `_state_terms`: one program per (chunk, group, batch row) loops over the group's heads for dB
+  and dC: it sums the (Q, Q) score gradient over them (C and B are shared by the group, so two
+  matmuls per program give the intra-chunk terms) and accumulates the state terms, the
+  decay-scaled x bar times G (dB) and dY times H (dC), in two (Q, N) tiles. With G, H and C
+  loaded, it also gives the log-decay gradient's terms through the states: per chunk the
+  state-passing term exp(s_last) <G, H>, and per token the output's part from the state
+  entering the chunk, dY_l . exp(s_l) (C H^T)_l.
 
 Decays are written here as exp of natural-log cumsums s, as in forward.py; the kernels hold s
 in base 2 (`common.chunk_log2_decays`) and take exp2, the same numbers. The log-decay gradient is
@@ -133,16 +132,15 @@ def _chunk_gradients_kernel(
     refs = list(refs)
     seq_ref = refs.pop(0) if static.has_seq_idx else None
     d_ref = refs.pop(0) if static.has_d else None
-    dx_ref, ddt_ref, dcumsum_ref, into_state_ref, db_ref, dc_ref = refs
+    dx_ref, ddt_ref, dcumsum_ref, into_state_ref = refs
     c = pl.program_id(0)
     b = b_ref[...]
-    cmat = c_ref[...]
     dtype = b.dtype
     # C B^T (Q, Q), held in the inputs' dtype (the weights below are rounded to it anyway): it
     # stays live across the head loop, in a kernel short of registers.
-    scores = jnp.dot(cmat, b.T, preferred_element_type=jnp.float32).astype(dtype)
+    scores = jnp.dot(c_ref[...], b.T, preferred_element_type=jnp.float32).astype(dtype)
 
-    def head(j, dscores_sum):
+    def head(j, carry):
         x = x_ref[:, j, :]
         dy = dy_ref[:, j, :]
         dt = dt_ref[j, common.chunk_tokens(c, static)]
@@ -166,30 +164,24 @@ def _chunk_gradients_kernel(
         y_intra = jnp.dot(weights, x_bar, preferred_element_type=jnp.float32)
         dcumsum_ref[j, :] = jnp.sum(dy32 * y_intra - x_bar32 * dx_bar_intra, axis=1)
         into_state_ref[j, :] = masks.to_end * jnp.sum(x_bar32 * grad_b, axis=1)
-        return dscores_sum + masks.decay * jnp.dot(dy, x_bar.T, preferred_element_type=jnp.float32)
+        return carry
 
-    # C and B are shared by the group's heads: the intra-chunk terms of dB, dC need only the
-    # head-summed score gradient, two matmuls per program instead of two per head.
-    dscores_sum = jax.lax.fori_loop(
-        0, heads_per_program, head, jnp.zeros(scores.shape, jnp.float32)
-    )
-    db_ref[...] = jnp.dot(dscores_sum.T.astype(dtype), cmat, preferred_element_type=jnp.float32)
-    dc_ref[...] = jnp.dot(dscores_sum.astype(dtype), b, preferred_element_type=jnp.float32)
+    jax.lax.fori_loop(0, heads_per_program, head, None)
 
 
 def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
-    """dx, the per-head float32 vectors (ddt_x, dlog_decay) and the group-summed dB, dC.
+    """dx, the per-head float32 vectors (ddt_x, dlog_decay), and dB, dC.
 
     x, dy (B, Tp, H, Pp); dt, s (B, H, Tp) float32; b, c (B, Tp, G, Np); seq (B, Tp) or None;
     d (H, Pp) float32 or None; states, gstates (B, nc, H, Pp, Np). Returns dx (B, Tp, H, Pp)
     in x's dtype; ddt_x (the dt' term of dx) and dlog_decay (the gradient of a = dt' A)
     (B, H, Tp) float32; db and dc (B, Tp, G, Np) in b's dtype.
 
-    One program per (chunk, block of `static.heads_per_program` heads of one group, batch row).
-    The head blocks' float32 partial sums and the state terms of dB, dC are added by
-    `_state_terms` (one program per chunk and group, looping over its heads; it also gives the
-    log-decay gradient's terms through the states), the log-decay gradient's reverse cumsum by
-    XLA: a fixed order (deterministic, no atomics).
+    One program per (chunk, block of `static.heads_per_program` heads of one group, batch row)
+    gives dx and the log-decay gradient's intra-chunk parts; dB and dC come from `_state_terms`
+    (one program per chunk and group, looping over its heads; it also gives the log-decay
+    gradient's terms through the states), the log-decay gradient's reverse cumsum from XLA: a
+    fixed order (deterministic, no atomics).
     """
     batch, t_pad, heads, p_pad = x.shape
     groups, n_pad = b.shape[2], b.shape[3]
@@ -202,7 +194,6 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
     group = pl.BlockSpec(
         (None, q, None, n_pad), lambda ci, k, i: (i, ci, k // blocks_per_group, 0)
     )
-    partial = pl.BlockSpec((None, None, q, n_pad), lambda ci, k, i: (i, k, ci, 0))
     chunk_states = pl.BlockSpec((None, None, hb, p_pad, n_pad), lambda ci, k, i: (i, ci, k, 0, 0))
     in_specs = [tokens, tokens, per_head_full, per_head_full, group, group, chunk_states]
     args = [x, dy, dt, s, b, c, gstates]
@@ -213,21 +204,18 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
         in_specs.append(pl.BlockSpec((hb, p_pad), lambda ci, k, i: (k, 0)))
         args.append(d)
     per_token = jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32)
-    partial_shape = jax.ShapeDtypeStruct((batch, heads // hb, t_pad, n_pad), jnp.float32)
-    dx, ddt_x, dcumsum, into_state, db_parts, dc_parts = pl.pallas_call(
+    dx, ddt_x, dcumsum, into_state = pl.pallas_call(
         functools.partial(_chunk_gradients_kernel, static=static, heads_per_program=hb),
         grid=(nc, heads // hb, batch),
         in_specs=in_specs,
-        out_specs=[tokens, *[per_head_chunk] * 3, partial, partial],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), *[per_token] * 3,
-                   partial_shape, partial_shape],
+        out_specs=[tokens, *[per_head_chunk] * 3],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), *[per_token] * 3],
         compiler_params=_compat.triton_params(static.grad_num_warps, static.grad_num_stages),
         interpret=static.interpret,
         name="ssd_chunk_gradients",
     )(*args)
 
-    db, dc, passing, carried = _state_terms(x, dy, dt, s, c, seq, states, gstates, db_parts,
-                                            dc_parts, groups=groups, dtype=b.dtype,
+    db, dc, passing, carried = _state_terms(x, dy, dt, s, b, c, seq, states, gstates,
                                             static=static)
 
     # Gradient of the log decay a_t. Within a chunk the decays depend on a only through the
@@ -253,27 +241,30 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
     return dx, ddt_x, dlog_decay, db, dc
 
 
-def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, c_ref, states_ref, gstates_ref,
-                        db_parts_ref, dc_parts_ref, *refs, static):
+def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, b_ref, c_ref, states_ref, gstates_ref,
+                        *refs, static):
     seq_ref = refs[0] if static.has_seq_idx else None
     db_ref, dc_ref, passing_ref, carried_ref = refs[-4:]
     c = pl.program_id(0)
     cmat = c_ref[...]
-    db, dc = db_parts_ref[0], dc_parts_ref[0]
-    for k in range(1, db_parts_ref.shape[0]):
-        db += db_parts_ref[k]
-        dc += dc_parts_ref[k]
+    dtype = cmat.dtype
 
     def head(j, accs):
-        db, dc = accs
+        db, dc, dscores = accs
         masks = common.chunk_masks(c, s_ref, seq_ref, static, head=j)
         state, grad = states_ref[j], gstates_ref[j]  # (P, N): entering, gradient of leaving
+        dt = dt_ref[j, common.chunk_tokens(c, static)]
+        x32 = x_ref[:, j, :].astype(jnp.float32)
+        dy = dy_ref[:, j, :]
+        dy_scaled = dy.astype(jnp.float32) * masks.from_start[:, None]
+        # Intra-chunk: the gradient of the scores C B^T, summed over the group's heads (C and
+        # B are shared by them), dS = sum_h L_h o (dY_h xbar_h^T).
+        x_bar = (x32 * dt[:, None]).astype(dtype)
+        dscores += masks.decay * jnp.dot(dy, x_bar.T, preferred_element_type=jnp.float32)
         # dB: x bar decayed to the chunk's end, times G; dC: dY decayed from its start, times H.
-        x_scale = masks.to_end * dt_ref[j, common.chunk_tokens(c, static)]
-        x_scaled = x_ref[:, j, :].astype(jnp.float32) * x_scale[:, None]
-        dy_scaled = dy_ref[:, j, :].astype(jnp.float32) * masks.from_start[:, None]
-        db += jnp.dot(x_scaled.astype(grad.dtype), grad, preferred_element_type=jnp.float32)
-        dc += jnp.dot(dy_scaled.astype(state.dtype), state, preferred_element_type=jnp.float32)
+        x_scaled = (x32 * (masks.to_end * dt)[:, None]).astype(dtype)
+        db += jnp.dot(x_scaled, grad, preferred_element_type=jnp.float32)
+        dc += jnp.dot(dy_scaled.astype(dtype), state, preferred_element_type=jnp.float32)
         # The log-decay gradient's per-token part through the state entering the chunk,
         # dY_l . exp(s_l) (C H^T)_l.
         carried = jnp.dot(cmat, state.T, preferred_element_type=jnp.float32)  # (Q, P)
@@ -282,41 +273,45 @@ def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, c_ref, states_ref, gstates
         # here and over P by the caller.
         overlap = jnp.sum(grad.astype(jnp.float32) * state.astype(jnp.float32), axis=1)
         passing_ref[j, :] = masks.chunk_decay * overlap
-        return db, dc
+        return db, dc, dscores
 
-    db, dc = jax.lax.fori_loop(0, x_ref.shape[1], head, (db, dc))
+    q, n = cmat.shape
+    zeros = jnp.zeros((q, n), jnp.float32)
+    db, dc, dscores = jax.lax.fori_loop(
+        0, x_ref.shape[1], head, (zeros, zeros, jnp.zeros((q, q), jnp.float32))
+    )
+    dscores = dscores.astype(dtype)
+    db += jnp.dot(dscores.T, cmat, preferred_element_type=jnp.float32)
+    dc += jnp.dot(dscores, b_ref[...], preferred_element_type=jnp.float32)
     db_ref[...] = db.astype(db_ref.dtype)
     dc_ref[...] = dc.astype(dc_ref.dtype)
 
 
-def _state_terms(x, dy, dt, s, c, seq, states, gstates, db_parts, dc_parts, *, groups, dtype,
-                 static):
-    """(db, dc, passing, carried): dB and dC (B, Tp, G, Np) in `dtype`, and the log-decay
+def _state_terms(x, dy, dt, s, b, c, seq, states, gstates, *, static):
+    """(db, dc, passing, carried): dB and dC (B, Tp, G, Np) in b's dtype, and the log-decay
     gradient's terms through the states, float32: passing (B, H, nc), exp(s_last) <G, H> per
     chunk (the gradient of each of the chunk's log-decays through the state passed on), and
     carried (B, H, Tp), dY_l . exp(s_l) (C H^T)_l (the output's part from the state entering
     the chunk, its spans starting at the chunk start).
 
-    dB and dC are the intra-chunk parts (B, H / heads_per_program, Tp, Np) float32 summed, plus
-    the state terms summed over the group's heads: sum_{h, p} xbar to_end G (dB) and
-    dY from_start H (dC). x, dy (B, Tp, H, Pp); c (B, Tp, G, Np); states H and gstates G
-    (B, nc, H, Pp, Np). One program per (chunk, group, batch row) loops over the group's heads.
-    It loads H and G anyway, so the log-decay terms cost no extra read here (the state-gradient
-    walk would have to read H for <G, H>, and the chunk kernel, short of registers, H for
-    C H^T).
+    dB and dC sum over the group's heads: the intra-chunk terms dS^T C and dS B with the
+    head-summed score gradient dS = sum_h L_h o (dY_h xbar_h^T), and the state terms
+    sum_{h, p} xbar to_end G (dB) and dY from_start H (dC). x, dy (B, Tp, H, Pp); b, c
+    (B, Tp, G, Np); states H and gstates G (B, nc, H, Pp, Np). One program per (chunk, group,
+    batch row) loops over the group's heads. It loads H and G anyway, so the log-decay terms cost
+    no extra read here (the state-gradient walk would have to read H for <G, H>, and the chunk
+    kernel, short of registers, H for C H^T).
     """
     batch, t_pad, heads, p_pad = x.shape
-    n_pad = states.shape[-1]
+    groups, n_pad = b.shape[2], b.shape[3]
     hpg, q, nc = heads // groups, static.block_t, static.num_chunks
-    blocks_per_group = db_parts.shape[1] // groups
     tokens = pl.BlockSpec((None, q, hpg, p_pad), lambda ci, g, i: (i, ci, g, 0))
     per_head = pl.BlockSpec((None, hpg, t_pad), lambda ci, g, i: (i, g, 0))
     chunk_states = pl.BlockSpec((None, None, hpg, p_pad, n_pad), lambda ci, g, i: (i, ci, g, 0, 0))
-    parts = pl.BlockSpec((None, blocks_per_group, q, n_pad), lambda ci, g, i: (i, g, ci, 0))
     group_tokens = pl.BlockSpec((None, q, None, n_pad), lambda ci, g, i: (i, ci, g, 0))
-    in_specs = [tokens, tokens, per_head, per_head, group_tokens, chunk_states, chunk_states,
-                parts, parts]
-    args = [x, dy, dt, s, c, states, gstates, db_parts, dc_parts]
+    in_specs = [tokens, tokens, per_head, per_head, group_tokens, group_tokens, chunk_states,
+                chunk_states]
+    args = [x, dy, dt, s, b, c, states, gstates]
     if static.has_seq_idx:
         in_specs.append(pl.BlockSpec((None, t_pad), lambda ci, g, i: (i, 0)))
         args.append(seq)
@@ -331,8 +326,8 @@ def _state_terms(x, dy, dt, s, c, seq, states, gstates, db_parts, dc_parts, *, g
             pl.BlockSpec((None, hpg, q), lambda ci, g, i: (i, g, ci)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, t_pad, groups, n_pad), dtype),
-            jax.ShapeDtypeStruct((batch, t_pad, groups, n_pad), dtype),
+            jax.ShapeDtypeStruct(b.shape, b.dtype),
+            jax.ShapeDtypeStruct(b.shape, b.dtype),
             jax.ShapeDtypeStruct((batch, heads, nc, p_pad), jnp.float32),
             jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32),
         ],
