@@ -331,7 +331,7 @@ def _state_terms(x, dy, dt, s, b, c, seq, states, gstates, *, static):
             jax.ShapeDtypeStruct((batch, heads, nc, p_pad), jnp.float32),
             jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32),
         ],
-        compiler_params=_compat.triton_params(static.terms_num_warps, static.num_stages),
+        compiler_params=_compat.triton_params(static.terms_num_warps, static.terms_num_stages),
         interpret=static.interpret,
         name="ssd_state_terms",
     )(*args)

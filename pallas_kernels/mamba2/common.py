@@ -23,11 +23,12 @@ class Static:
     has_z: bool
     has_initial_states: bool
     num_warps: int  # scan kernels
-    num_stages: int  # scan kernels but the forward, and the dB/dC state terms
+    num_stages: int  # scan kernels but the forward
     forward_num_stages: int
     grad_num_warps: int  # chunk-gradient kernel
     grad_num_stages: int
     terms_num_warps: int  # dB/dC state-term kernel
+    terms_num_stages: int
     interpret: bool
 
     @classmethod
@@ -68,6 +69,7 @@ class Static:
             grad_num_warps=blocks.grad_num_warps,
             grad_num_stages=blocks.grad_num_stages,
             terms_num_warps=blocks.terms_num_warps or blocks.num_warps,
+            terms_num_stages=blocks.terms_num_stages or blocks.num_stages,
             interpret=interpret,
             **flags,
         )

@@ -16,11 +16,12 @@ class SSDBlocks:
     block_p: int  # head-dim rows per program in the scan kernels
     heads_per_program: int  # most heads per program in the chunk-gradient kernel
     num_warps: int  # scan kernels (forward, state recompute, state gradients, segment sums)
-    num_stages: int  # scan kernels but the forward, and the dB/dC state terms
+    num_stages: int  # scan kernels but the forward
     grad_num_warps: int  # chunk-gradient kernel
     grad_num_stages: int
     forward_num_stages: int | None = None  # the forward scan (None: num_stages)
     terms_num_warps: int | None = None  # the dB/dC state-term kernel (None: num_warps)
+    terms_num_stages: int | None = None  # the same (None: num_stages)
     # With fewer than `segment_walks_below` (batch row, head, head-dim block) walks, the forward
     # scan splits sequences into segments, up to `scan_programs` programs and at least
     # `min_segment_chunks` chunks a segment; the backward's walks (state recompute, state
@@ -40,7 +41,8 @@ _HOPPER_SEGMENTS = dict(backward_segment_walks_below=160)
 # end-to-end runs, benchmarks/NOTES.md; N 256 is not measured); the rest are estimates.
 _TABLE = {
     "hopper": [
-        (64, SSDBlocks(64, 64, 40, 4, 4, 4, 1, forward_num_stages=4, **_HOPPER_SEGMENTS)),
+        (64, SSDBlocks(64, 64, 40, 4, 4, 4, 1, forward_num_stages=4, terms_num_stages=3,
+                       **_HOPPER_SEGMENTS)),
         (128, SSDBlocks(64, 64, 40, 4, 3, 4, 1, forward_num_stages=2, terms_num_warps=8,
                         **_HOPPER_SEGMENTS)),
         (256, SSDBlocks(64, 64, 40, 4, 2, 4, 1, terms_num_warps=8, **_HOPPER_SEGMENTS)),
