@@ -262,9 +262,9 @@ def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, b_ref, c_ref, states_ref, 
         x_bar = (x32 * dt[:, None]).astype(dtype)
         dscores += masks.decay * jnp.dot(dy, x_bar.T, preferred_element_type=jnp.float32)
         # dB: x bar decayed to the chunk's end, times G; dC: dY decayed from its start, times H.
-        x_scaled = (x32 * (masks.to_end * dt)[:, None]).astype(dtype)
-        db += jnp.dot(x_scaled, grad, preferred_element_type=jnp.float32)
-        dc += jnp.dot(dy_scaled.astype(dtype), state, preferred_element_type=jnp.float32)
+        x_scaled = x32 * (masks.to_end * dt)[:, None]
+        db += jnp.dot(x_scaled.astype(grad.dtype), grad, preferred_element_type=jnp.float32)
+        dc += jnp.dot(dy_scaled.astype(state.dtype), state, preferred_element_type=jnp.float32)
         # The log-decay gradient's per-token part through the state entering the chunk,
         # dY_l . exp(s_l) (C H^T)_l.
         carried = jnp.dot(cmat, state.T, preferred_element_type=jnp.float32)  # (Q, P)
