@@ -39,8 +39,10 @@ def static_for(blocks, shape, block_t, interpret=False):
     return common.Static.from_blocks(
         blocks, block_t=block_t, p_pad=shape.head_dim, batch=shape.batch, heads=shape.heads,
         heads_per_group=shape.heads // shape.groups,
-        num_chunks=shape.seq_len // block_t, interpret=interpret, has_seq_idx=False, has_d=True,
-        has_z=False, has_initial_states=False)
+        num_chunks=shape.seq_len // block_t,
+        multiprocessors=tuning.multiprocessors(_compat.target_device()[0],
+                                               _compat.target_multiprocessors()),
+        interpret=interpret, has_seq_idx=False, has_d=True, has_z=False, has_initial_states=False)
 
 
 def kernel_inputs(shape):

@@ -47,5 +47,14 @@ def target_device():
     return device.device_kind, device.platform
 
 
+def target_multiprocessors():
+    """Streaming multiprocessors (AMD: compute units) of the device code traced now will run on,
+    or None where unknown (an abstract device made without a core count, or no GPU)."""
+    abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if abstract is not None:
+        return abstract.num_cores
+    return getattr(jax.devices()[0], "core_count", None)
+
+
 def targets_gpu():
     return target_device()[1] in ("gpu", "cuda", "rocm")

@@ -82,6 +82,38 @@ def test_segmented_scan_matches_recurrence(seq_idx, backward_split, monkeypatch)
         assert rel_error(grad, grads_ref[name]) < 5e-5, name
 
 
+@pytest.mark.parametrize("multiprocessors, split", [(6, (6, 2)), (7, (7, 5))],
+                         ids=["two-split-walks", "one-split-walk"])
+@pytest.mark.parametrize("seq_idx", [False, True], ids=["plain", "seq-idx"])
+def test_last_round_split_matches_recurrence(multiprocessors, split, seq_idx, monkeypatch):
+    # Many walks: the forward splits only the walks of its last, partial round of programs.
+    # 8 walks (2 rows x 4 heads) with 6 (7) running at once: walks 0-5 (0-6) whole, the last 2
+    # (1) in 2 (5) segments of 150 tokens = 10 chunks of 16.
+    table = tuning.blocks_for
+    monkeypatch.setattr(tuning, "blocks_for", lambda kind, n: dataclasses.replace(
+        table(kind, n), segment_walks_below=0, backward_segment_walks_below=0,
+        programs_per_sm=1, min_segment_chunks=2))
+    monkeypatch.setattr(tuning, "multiprocessors", lambda kind, known: multiprocessors)
+    calls = []
+    segment_sums = segments.segment_sums
+    monkeypatch.setattr(segments, "segment_sums",
+                        lambda *a, static, kind: calls.append(
+                            (kind, static.whole_walks, static.num_segments))
+                        or segment_sums(*a, static=static, kind=kind))
+    args = make_inputs(13, t=150)
+    if seq_idx:  # row 1 (the split walks): sequences start inside chunks and on chunk 5's start
+        ids = (jnp.arange(150) >= 37).astype(jnp.int32) + (jnp.arange(150) >= 80)
+        args["seq_idx"] = jnp.stack([jnp.zeros(150, jnp.int32), ids])
+    kw = dict(chunk_size=16, dt_softplus=True)
+    (y, final), grads = loss_and_grads(pallas, args, **kw)
+    (y_ref, final_ref), grads_ref = loss_and_grads(reference.ssd_recurrence, args, **kw)
+    assert calls == [("states", *split)]  # the forward's split walks only
+    assert rel_error(y, y_ref) < 2e-5
+    assert rel_error(final, final_ref) < 2e-5
+    for name, grad in grads.items():
+        assert rel_error(grad, grads_ref[name]) < 5e-5, name
+
+
 def test_dt_limit_clamp_has_zero_gradient():
     args = make_inputs(3, t=32, dt_bias=False)
     (_, _), grads = loss_and_grads(pallas, args, chunk_size=16, dt_limit=(0.3, 0.4))

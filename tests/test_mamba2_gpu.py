@@ -9,7 +9,7 @@ import pytest
 from ssd_cases import loss_and_grads, make_inputs, rel_error
 
 import pallas_kernels
-from pallas_kernels.mamba2 import reference
+from pallas_kernels.mamba2 import reference, segments
 
 pytestmark = pytest.mark.gpu
 
@@ -30,6 +30,27 @@ def test_bf16_against_float32_reference(groups, seq_idx):
     (y_ref, final_ref), grads_ref = jax.jit(functools.partial(
         loss_and_grads, reference.mamba_chunk_scan_combined, **kw))(_upcast(args))
     assert rel_error(y, y_ref) < 2e-2
+    assert rel_error(final, final_ref) < 2e-2
+    for name, grad in grads.items():
+        assert rel_error(grad, grads_ref[name]) < 3e-2, name
+
+
+def test_last_round_split_against_float32_reference(monkeypatch):
+    """320 walks (4 rows x 80 heads): more than run at once on an H200, so the forward splits
+    the walks of its last round into segments (segments.py)."""
+    calls = []
+    segment_sums = segments.segment_sums
+    monkeypatch.setattr(segments, "segment_sums", lambda *a, static, kind: calls.append(
+        static.whole_walks) or segment_sums(*a, static=static, kind=kind))
+    args = make_inputs(5, b=4, t=4096, h=80, p=64, n=64, g=1, d="h", dtype=jnp.bfloat16,
+                       z=False)
+    kw = dict(chunk_size=256, dt_softplus=True)
+    (y, final), grads = jax.jit(functools.partial(loss_and_grads, pallas, **kw))(args)
+    (y_ref, final_ref), grads_ref = jax.jit(functools.partial(
+        loss_and_grads, reference.mamba_chunk_scan_combined, **kw))(_upcast(args))
+    assert calls and calls[0] > 0  # the forward ran whole and split walks
+    assert rel_error(y, y_ref) < 2e-2
+    assert rel_error(y[3], y_ref[3]) < 2e-2  # the last row: the split walks
     assert rel_error(final, final_ref) < 2e-2
     for name, grad in grads.items():
         assert rel_error(grad, grads_ref[name]) < 3e-2, name

@@ -250,7 +250,8 @@ def _pallas_ssd(x, dt_step, A, B, C, chunk_size, D, z, initial_states, seq_idx, 
     b, t, h, p = x.shape
     n = B.shape[-1]
     p_pad, n_pad = pow2_at_least(p), pow2_at_least(n)
-    blocks = tuning.blocks_for(_compat.target_device()[0], n_pad)
+    device_kind = _compat.target_device()[0]
+    blocks = tuning.blocks_for(device_kind, n_pad)
     block_t = max(16, min(chunk_size, blocks.block_t))
     t_pad = math.ceil(t / block_t) * block_t
     static = common.Static.from_blocks(
@@ -261,6 +262,7 @@ def _pallas_ssd(x, dt_step, A, B, C, chunk_size, D, z, initial_states, seq_idx, 
         heads=h,
         heads_per_group=h // B.shape[2],
         num_chunks=t_pad // block_t,
+        multiprocessors=tuning.multiprocessors(device_kind, _compat.target_multiprocessors()),
         interpret=interpret,
         has_seq_idx=seq_idx is not None,
         has_d=D is not None,

@@ -35,17 +35,17 @@ from pallas_kernels import _compat
 from pallas_kernels.mamba2 import common, segments
 
 
-def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final, num_p_blocks):
+def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final):
     refs = list(refs)
     seq_ref = refs.pop(0) if static.has_seq_idx else None
     dfinal_ref = refs.pop(0) if has_final else None
     if static.num_segments > 1:
         segment_grads_ref, segment_decays_ref = refs.pop(0), refs.pop(0)
     gstates_ref, dh0_ref = refs
-    segment = pl.program_id(0) // num_p_blocks
+    part = segments.walk_part(pl.program_id(0), static)
 
     def chunk(i, grad):
-        c = (segment + 1) * static.segment_chunks - 1 - i
+        c = part.first_chunk + part.num_chunks - 1 - i
         gstates_ref[c] = grad.astype(gstates_ref.dtype)
         tok = common.chunk_tokens(c, static)
         dy = dy_ref[tok, :]
@@ -64,13 +64,13 @@ def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final, num_
         # The gradient of the state leaving this segment: the later segments' own gradients
         # passed back (index j holds segment j + 1).
         def leave(i, grad):
-            j = static.num_segments - 2 - i
+            j = part.last_segment - 1 - i
             return segment_grads_ref[j] + segment_decays_ref[j, 0] * grad
 
-        grad = jax.lax.fori_loop(0, static.num_segments - 1 - segment, leave, grad)
-    grad = jax.lax.fori_loop(0, static.segment_chunks, chunk, grad)
+        grad = jax.lax.fori_loop(0, part.last_segment - part.segment, leave, grad)
+    grad = jax.lax.fori_loop(0, part.num_chunks, chunk, grad)
 
-    @pl.when(segment == 0)
+    @pl.when(part.segment == 0)
     def _():
         dh0_ref[...] = grad
 
@@ -86,35 +86,29 @@ def state_gradients(dy, dt, s, c, seq, dfinal, *, static):
     n_pad = c.shape[-1]
     bp, nc, num_p_blocks = static.block_p, static.num_chunks, p_pad // static.block_p
     hpg = heads // c.shape[2]
-    # Program (j, h, i) runs head-dim block j % num_p_blocks of segment j // num_p_blocks.
-    state_spec = pl.BlockSpec(
-        (None, None, bp, n_pad), lambda j, h, i: (i, h, j % num_p_blocks, 0)
-    )
+
+    index = segments.program_index(static, heads, num_p_blocks, hpg)
+    state_spec = pl.BlockSpec((None, None, bp, n_pad), index.state)
     in_specs = [
-        pl.BlockSpec((None, t_pad, None, bp), lambda j, h, i: (i, 0, h, j % num_p_blocks)),
-        pl.BlockSpec((None, None, t_pad), lambda j, h, i: (i, h, 0)),
-        pl.BlockSpec((None, t_pad, None, n_pad), lambda j, h, i: (i, 0, h // hpg, 0)),
+        pl.BlockSpec((None, t_pad, None, bp), index.tokens),
+        pl.BlockSpec((None, None, t_pad), index.per_head),
+        pl.BlockSpec((None, t_pad, None, n_pad), index.group),
     ]
     args = [dy, s, c]
     if static.has_seq_idx:
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda j, h, i: (i, 0)))
+        in_specs.append(pl.BlockSpec((None, t_pad), index.row))
         args.append(seq)
     if dfinal is not None:
         in_specs.append(state_spec)
         args.append(dfinal)
     if static.num_segments > 1:
-        in_specs += segments.specs(static, n_pad, num_p_blocks)
+        in_specs += segments.specs(static, n_pad)
         args += segments.segment_sums(dy, dt, s, c, seq, static=static, kind="gradients")
     gstates, dh0 = pl.pallas_call(
-        functools.partial(_state_gradients_kernel, static=static, has_final=dfinal is not None,
-                          num_p_blocks=num_p_blocks),
-        grid=(static.num_segments * num_p_blocks, heads, batch),
+        functools.partial(_state_gradients_kernel, static=static, has_final=dfinal is not None),
+        grid=(segments.num_programs(static, batch * heads * num_p_blocks),),
         in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, nc, None, bp, n_pad),
-                         lambda j, h, i: (i, 0, h, j % num_p_blocks, 0)),
-            state_spec,
-        ],
+        out_specs=[pl.BlockSpec((None, nc, None, bp, n_pad), index.chunk_states), state_spec],
         out_shape=[
             jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), dy.dtype),
             jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32),

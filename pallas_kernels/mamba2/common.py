@@ -16,8 +16,12 @@ class Static:
     block_p: int  # head-dim rows per program of the scan kernels
     heads_per_program: int  # heads per program of the chunk-gradient kernel (divides H / G)
     num_chunks: int
-    num_segments: int  # the forward scan splits the chunks into this many runs (`segments`)
-    backward_num_segments: int  # the same for the backward's walks (see `backward`)
+    # The forward scan walks its first `whole_walks` walks whole and splits the others' chunks
+    # into `num_segments` runs walked by separate programs (`segments`); the backward's walks
+    # are all split into `backward_num_segments` runs (1: none).
+    whole_walks: int
+    num_segments: int
+    backward_num_segments: int
     has_seq_idx: bool
     has_d: bool
     has_z: bool
@@ -33,26 +37,39 @@ class Static:
 
     @classmethod
     def from_blocks(cls, blocks, *, block_t, p_pad, batch, heads, heads_per_group, num_chunks,
-                    interpret, **flags):
+                    multiprocessors, interpret, **flags):
         """The Static of a tuning.SSDBlocks row; `flags` are the has_* fields.
 
-        With fewer than `blocks.segment_walks_below` walks (batch row x head x head-dim block),
-        the forward scan splits each row's chunks into equal segments of at least
-        `blocks.min_segment_chunks` chunks, as many as keep their programs (one per walk and
-        segment) within `blocks.scan_programs`; the backward's walks likewise below
-        `blocks.backward_segment_walks_below` walks.
+        A walk is one (batch row, head, head-dim block): a serial pass over all chunks. With
+        fewer than `blocks.segment_walks_below` walks, every walk of the forward scan is split
+        into equal segments of at least `blocks.min_segment_chunks` chunks, as many as keep the
+        programs (one per walk and segment) within `blocks.scan_programs`; the backward's walks
+        likewise below `blocks.backward_segment_walks_below` walks. With more walks, the forward
+        splits only the walks that would run in a last, partial round of programs (the
+        remainder of the walks over the programs that run at once, `blocks.programs_per_sm` on
+        each of `multiprocessors`): each into as many segments as that round has room for, so
+        the split walks finish soon after the whole ones.
         """
         block_p = min(blocks.block_p, p_pad)
         walks = batch * heads * (p_pad // block_p)
 
-        def num_segments(walks_below):
-            return max(
-                s for s in range(1, num_chunks + 1)
-                if num_chunks % s == 0 and (s == 1 or (
-                    walks < walks_below
-                    and num_chunks // s >= blocks.min_segment_chunks
-                    and s * walks <= blocks.scan_programs))
-            )
+        def most_segments(split_walks, programs):
+            """Most segments (dividing the chunks, each long enough) that keep `split_walks`
+            split walks within `programs` programs; 1 where there are none."""
+            return max((
+                s for s in range(2, num_chunks + 1)
+                if num_chunks % s == 0 and num_chunks // s >= blocks.min_segment_chunks
+                and s * split_walks <= programs
+            ), default=1)
+
+        def few_walks_segments(walks_below):
+            return most_segments(walks, blocks.scan_programs) if walks < walks_below else 1
+
+        whole_walks, num_segments = 0, few_walks_segments(blocks.segment_walks_below)
+        if walks >= blocks.segment_walks_below:
+            at_once = blocks.programs_per_sm * multiprocessors
+            num_segments = most_segments(walks % at_once, at_once)
+            whole_walks = walks - walks % at_once if num_segments > 1 else 0
 
         return cls(
             block_t=block_t,
@@ -61,8 +78,9 @@ class Static:
                 k for k in range(1, blocks.heads_per_program + 1) if heads_per_group % k == 0
             ),
             num_chunks=num_chunks,
-            num_segments=num_segments(blocks.segment_walks_below),
-            backward_num_segments=num_segments(blocks.backward_segment_walks_below),
+            whole_walks=whole_walks,
+            num_segments=num_segments,
+            backward_num_segments=few_walks_segments(blocks.backward_segment_walks_below),
             num_warps=blocks.num_warps,
             num_stages=blocks.num_stages,
             forward_num_stages=blocks.forward_num_stages or blocks.num_stages,
@@ -76,7 +94,9 @@ class Static:
 
     def for_backward(self):
         """This Static with the backward walks' segments (see `from_blocks`)."""
-        return dataclasses.replace(self, num_segments=self.backward_num_segments)
+        return dataclasses.replace(
+            self, whole_walks=0, num_segments=self.backward_num_segments
+        )
 
     @property
     def segment_chunks(self):

@@ -13,9 +13,10 @@ program; the backward's recompute pass asks the same kernel to write the state e
 chunk instead of the output (`emit="states"`).
 
 A serial walk over all chunks leaves most of the GPU idle when batch x heads is small (160 walks
-on 132 SMs that could each run two). So when `static.num_segments` > 1 the chunks are split into
-equal segments walked in parallel, each program starting from the state entering its segment,
-built from `segments.segment_sums`.
+on 132 SMs that could each run two), and with more walks than run at once, the last round of
+walks runs alone. So walks can be split into segments walked in parallel (all of them when they
+are few, those of the last round otherwise: `segments`), each program starting from the state
+entering its segment, built from `segments.segment_sums`.
 """
 
 import functools
@@ -28,7 +29,7 @@ from pallas_kernels import _compat
 from pallas_kernels.mamba2 import common, segments
 
 
-def _forward_kernel(*refs, static, emit, num_p_blocks):
+def _forward_kernel(*refs, static, emit):
     refs = list(refs)
     x_ref, dt_ref, s_ref, b_ref, c_ref = (refs.pop(0) for _ in range(5))
     seq_ref = refs.pop(0) if static.has_seq_idx else None
@@ -43,10 +44,10 @@ def _forward_kernel(*refs, static, emit, num_p_blocks):
     else:
         states_ref = refs.pop(0)
     final_ref = refs.pop(0)
-    segment = pl.program_id(0) // num_p_blocks
+    part = segments.walk_part(pl.program_id(0), static)
 
     def chunk(i, state):
-        c = segment * static.segment_chunks + i
+        c = part.first_chunk + i
         tok = common.chunk_tokens(c, static)
         x = x_ref[tok, :]
         dt = dt_ref[tok]
@@ -83,10 +84,10 @@ def _forward_kernel(*refs, static, emit, num_p_blocks):
         def enter(j, state):
             return segment_decays_ref[j, 0] * state + segment_states_ref[j]
 
-        state = jax.lax.fori_loop(0, segment, enter, state)
-    state = jax.lax.fori_loop(0, static.segment_chunks, chunk, state)
+        state = jax.lax.fori_loop(0, part.segment, enter, state)
+    state = jax.lax.fori_loop(0, part.num_chunks, chunk, state)
 
-    @pl.when(segment == static.num_segments - 1)
+    @pl.when(part.segment == part.last_segment)
     def _():
         final_ref[...] = state
 
@@ -108,21 +109,19 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
     n_pad = b.shape[-1]
     bp, num_p_blocks = static.block_p, p_pad // static.block_p
     hpg = heads // b.shape[2]
-    # Program (j, h, i) runs head-dim block j % num_p_blocks of segment j // num_p_blocks.
-    grid = (static.num_segments * num_p_blocks, heads, batch)
-    tokens = pl.BlockSpec((None, t_pad, None, bp), lambda j, h, i: (i, 0, h, j % num_p_blocks))
-    per_head = pl.BlockSpec((None, None, t_pad), lambda j, h, i: (i, h, 0))
-    group = pl.BlockSpec((None, t_pad, None, n_pad), lambda j, h, i: (i, 0, h // hpg, 0))
-    state_spec = pl.BlockSpec(
-        (None, None, bp, n_pad), lambda j, h, i: (i, h, j % num_p_blocks, 0)
-    )
+
+    index = segments.program_index(static, heads, num_p_blocks, hpg)
+    tokens = pl.BlockSpec((None, t_pad, None, bp), index.tokens)
+    per_head = pl.BlockSpec((None, None, t_pad), index.per_head)
+    group = pl.BlockSpec((None, t_pad, None, n_pad), index.group)
+    state_spec = pl.BlockSpec((None, None, bp, n_pad), index.state)
     in_specs = [tokens, per_head, per_head, group, group]
     args = [x, dt, s, b, c]
     if static.has_seq_idx:
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda j, h, i: (i, 0)))
+        in_specs.append(pl.BlockSpec((None, t_pad), index.row))
         args.append(seq)
     if emit == "output" and static.has_d:
-        in_specs.append(pl.BlockSpec((None, bp), lambda j, h, i: (h, j % num_p_blocks)))
+        in_specs.append(pl.BlockSpec((None, bp), index.head_rows))
         args.append(d)
     if emit == "output" and static.has_z:
         in_specs.append(tokens)
@@ -131,7 +130,7 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
         in_specs.append(state_spec)
         args.append(h0)
     if static.num_segments > 1:
-        in_specs += segments.specs(static, n_pad, num_p_blocks)
+        in_specs += segments.specs(static, n_pad)
         args += segments.segment_sums(x, dt, s, b, seq, static=static, kind="states")
     final_shape = jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32)
     if emit == "output":
@@ -140,17 +139,13 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
         out_shape = [y_shape] + ([y_shape] if static.has_z else []) + [final_shape]
     else:
         nc = static.num_chunks
-        out_specs = [
-            pl.BlockSpec((None, nc, None, bp, n_pad),
-                         lambda j, h, i: (i, 0, h, j % num_p_blocks, 0)),
-            state_spec,
-        ]
+        out_specs = [pl.BlockSpec((None, nc, None, bp, n_pad), index.chunk_states), state_spec]
         out_shape = [
             jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), x.dtype), final_shape
         ]
     outs = pl.pallas_call(
-        functools.partial(_forward_kernel, static=static, emit=emit, num_p_blocks=num_p_blocks),
-        grid=grid,
+        functools.partial(_forward_kernel, static=static, emit=emit),
+        grid=(segments.num_programs(static, batch * heads * num_p_blocks),),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,

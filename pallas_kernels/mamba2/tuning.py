@@ -25,7 +25,10 @@ class SSDBlocks:
     # With fewer than `segment_walks_below` (batch row, head, head-dim block) walks, the forward
     # scan splits sequences into segments, up to `scan_programs` programs and at least
     # `min_segment_chunks` chunks a segment; the backward's walks (state recompute, state
-    # gradients) likewise below `backward_segment_walks_below` walks.
+    # gradients) likewise below `backward_segment_walks_below` walks. With more, the forward
+    # splits the walks of its last, partial round: `programs_per_sm` forward programs run at once
+    # on each multiprocessor (common.Static.from_blocks).
+    programs_per_sm: int = 1
     segment_walks_below: int = 320
     backward_segment_walks_below: int = 320
     scan_programs: int = 1280
@@ -35,6 +38,8 @@ class SSDBlocks:
 # On an H200 the backward's walks run faster unsplit at 160 walks (b 2, T 8192, 80 heads); below
 # that (fewer walks than SMs) the split is kept.
 _HOPPER_SEGMENTS = dict(backward_segment_walks_below=160)
+# Two forward programs fit on an H200 multiprocessor at N <= 128 (registers and shared memory).
+_HOPPER_FORWARD = dict(programs_per_sm=2, **_HOPPER_SEGMENTS)
 
 # family -> [(largest padded state size N it covers, SSDBlocks)]. The hopper rows are measured on an
 # H200 (benchmarks/ssd_tune.py, benchmarks/results/ssd_tune_h200_*.json; stages and segments by
@@ -42,15 +47,24 @@ _HOPPER_SEGMENTS = dict(backward_segment_walks_below=160)
 _TABLE = {
     "hopper": [
         (64, SSDBlocks(64, 64, 40, 4, 4, 4, 1, forward_num_stages=4, terms_num_stages=3,
-                       **_HOPPER_SEGMENTS)),
+                       **_HOPPER_FORWARD)),
         (128, SSDBlocks(64, 64, 40, 4, 3, 4, 1, forward_num_stages=2, terms_num_warps=8,
-                        **_HOPPER_SEGMENTS)),
+                        **_HOPPER_FORWARD)),
         (256, SSDBlocks(64, 64, 40, 4, 2, 4, 1, terms_num_warps=8, **_HOPPER_SEGMENTS)),
     ],
     "ampere": [(64, SSDBlocks(64, 64, 16, 4, 2, 4, 1)), (256, SSDBlocks(64, 32, 16, 4, 2, 4, 1))],
     "cdna": [(64, SSDBlocks(64, 32, 8, 4, 1, 4, 1)), (256, SSDBlocks(32, 16, 8, 4, 1, 4, 1))],
     "fallback": [(64, SSDBlocks(64, 32, 8, 4, 1, 4, 1)), (256, SSDBlocks(32, 16, 8, 4, 1, 4, 1))],
 }
+
+
+# Multiprocessors where the device does not say (ahead-of-time lowering for an abstract device).
+_MULTIPROCESSORS = {"hopper": 132, "ampere": 108, "cdna": 304, "fallback": 100}
+
+
+def multiprocessors(device_kind, known):
+    """`known` (the device's multiprocessor count) or the family's usual count."""
+    return known or _MULTIPROCESSORS[family(device_kind)]
 
 
 def blocks_for(device_kind, state_size):
