@@ -82,14 +82,13 @@ def test_segmented_scan_matches_recurrence(seq_idx, backward_split, monkeypatch)
         assert rel_error(grad, grads_ref[name]) < 5e-5, name
 
 
-@pytest.mark.parametrize("multiprocessors, split", [(6, (6, 2, 5)), (7, (7, 5, 2))],
+@pytest.mark.parametrize("multiprocessors, split", [(6, (6, 2)), (7, (7, 5))],
                          ids=["two-split-walks", "one-split-walk"])
 @pytest.mark.parametrize("seq_idx", [False, True], ids=["plain", "seq-idx"])
 def test_last_round_split_matches_recurrence(multiprocessors, split, seq_idx, monkeypatch):
     # Many walks: the forward splits only the walks of its last, partial round of programs.
     # 8 walks (2 rows x 4 heads) with 6 (7) running at once: walks 0-5 (0-6) whole, the last 2
-    # (1) in 2 (5) segments of 150 tokens = 10 chunks of 16, their segment sums in 5 (2) parts
-    # to make at least 6 (7) programs.
+    # (1) in 2 (5) segments of 150 tokens = 10 chunks of 16.
     table = tuning.blocks_for
     monkeypatch.setattr(tuning, "blocks_for", lambda kind, n: dataclasses.replace(
         table(kind, n), segment_walks_below=0, backward_segment_walks_below=0,
@@ -99,7 +98,7 @@ def test_last_round_split_matches_recurrence(multiprocessors, split, seq_idx, mo
     segment_sums = segments.segment_sums
     monkeypatch.setattr(segments, "segment_sums",
                         lambda *a, static, kind: calls.append(
-                            (kind, static.whole_walks, static.num_segments, static.sum_parts))
+                            (kind, static.whole_walks, static.num_segments))
                         or segment_sums(*a, static=static, kind=kind))
     args = make_inputs(13, t=150)
     if seq_idx:  # row 1 (the split walks): sequences start inside chunks and on chunk 5's start

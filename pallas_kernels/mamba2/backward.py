@@ -62,13 +62,12 @@ def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final):
     )
     if static.num_segments > 1:
         # The gradient of the state leaving this segment: the later segments' own gradients
-        # passed back (in parts, in chunk order from segment 1).
+        # passed back (index j holds segment j + 1).
         def leave(i, grad):
-            j = part.last_segment * static.sum_parts - 1 - i
+            j = part.last_segment - 1 - i
             return segment_grads_ref[j] + segment_decays_ref[j, 0] * grad
 
-        parts = (part.last_segment - part.segment) * static.sum_parts
-        grad = jax.lax.fori_loop(0, parts, leave, grad)
+        grad = jax.lax.fori_loop(0, part.last_segment - part.segment, leave, grad)
     grad = jax.lax.fori_loop(0, part.num_chunks, chunk, grad)
 
     @pl.when(part.segment == 0)

@@ -18,11 +18,9 @@ class Static:
     num_chunks: int
     # The forward scan walks its first `whole_walks` walks whole and splits the others' chunks
     # into `num_segments` runs walked by separate programs (`segments`); the backward's walks
-    # are all split into `backward_num_segments` runs (1: none). The segment sums of the forward
-    # come in `sum_parts` equal parts per segment, one program each (`segments`).
+    # are all split into `backward_num_segments` runs (1: none).
     whole_walks: int
     num_segments: int
-    sum_parts: int
     backward_num_segments: int
     has_seq_idx: bool
     has_d: bool
@@ -50,8 +48,7 @@ class Static:
         splits only the walks that would run in a last, partial round of programs (the
         remainder of the walks over the programs that run at once, `blocks.programs_per_sm` on
         each of `multiprocessors`): each into as many segments as that round has room for, so
-        the split walks finish soon after the whole ones. Those few split walks' segment sums
-        are then computed in parts, enough for one program per part to fill that round.
+        the split walks finish soon after the whole ones.
         """
         block_p = min(blocks.block_p, p_pad)
         walks = batch * heads * (p_pad // block_p)
@@ -69,18 +66,10 @@ class Static:
             return most_segments(walks, blocks.scan_programs) if walks < walks_below else 1
 
         whole_walks, num_segments = 0, few_walks_segments(blocks.segment_walks_below)
-        sum_parts = 1
         if walks >= blocks.segment_walks_below:
             at_once = blocks.programs_per_sm * multiprocessors
             num_segments = most_segments(walks % at_once, at_once)
-            if num_segments > 1:
-                whole_walks = walks - walks % at_once
-                length = num_chunks // num_segments
-                sums = (walks - whole_walks) * (num_segments - 1)
-                sum_parts = min(
-                    (r for r in range(1, length + 1) if length % r == 0 and r * sums >= at_once),
-                    default=length,
-                )
+            whole_walks = walks - walks % at_once if num_segments > 1 else 0
 
         return cls(
             block_t=block_t,
@@ -91,7 +80,6 @@ class Static:
             num_chunks=num_chunks,
             whole_walks=whole_walks,
             num_segments=num_segments,
-            sum_parts=sum_parts,
             backward_num_segments=few_walks_segments(blocks.backward_segment_walks_below),
             num_warps=blocks.num_warps,
             num_stages=blocks.num_stages,
@@ -107,7 +95,7 @@ class Static:
     def for_backward(self):
         """This Static with the backward walks' segments (see `from_blocks`)."""
         return dataclasses.replace(
-            self, whole_walks=0, num_segments=self.backward_num_segments, sum_parts=1
+            self, whole_walks=0, num_segments=self.backward_num_segments
         )
 
     @property

@@ -84,7 +84,7 @@ def _forward_kernel(*refs, static, emit):
         def enter(j, state):
             return segment_decays_ref[j, 0] * state + segment_states_ref[j]
 
-        state = jax.lax.fori_loop(0, part.segment * static.sum_parts, enter, state)
+        state = jax.lax.fori_loop(0, part.segment, enter, state)
     state = jax.lax.fori_loop(0, part.num_chunks, chunk, state)
 
     @pl.when(part.segment == part.last_segment)

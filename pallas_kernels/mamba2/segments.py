@@ -19,10 +19,6 @@ the sums of this module's kernel, for each split walk:
   The gradient of the state leaving segment k is then G_k = sums_{k+1} + decay_{k+1} G_{k+1},
   from G_{S-1} = the final state's cotangent (or zero).
 
-A segment's sum may come in `static.sum_parts` equal parts of its chunks (more, shorter programs
-where the split walks are few), each the same sum over its part; the scan kernels then pass the
-state (gradient) through the parts in turn as through segments.
-
 Either sum is one matmul accumulation per program (the only dependence between chunks is the
 running scalar product of decays); its floor is one read of x (or dY) for the split walks, and
 on an H200 it takes about 1.7x that (benchmarks/NOTES.md), which is why short lists of walks are
@@ -129,16 +125,13 @@ def program_index(static, heads, num_p_blocks, heads_per_group):
 def _segment_sums_kernel(tokens_ref, dt_ref, s_ref, operand_ref, *refs, static, kind):
     seq_ref = refs[0] if static.has_seq_idx else None
     sums_ref, decays_ref = refs[-2:]
-    length = static.segment_chunks // static.sum_parts
-    # Parts are consecutive runs of `length` chunks: segments 0 .. S-2 for states, 1 .. S-1 for
-    # gradients.
-    first = pl.program_id(0) % sums_per_walk(static) * length + (
-        static.segment_chunks if kind == "gradients" else 0)
+    length = static.segment_chunks
+    segment = pl.program_id(0) % (static.num_segments - 1) + (kind == "gradients")
 
     def chunk(i, carry):
         acc, decay = carry
-        # States walk their part backwards (decay to its end), gradients forwards.
-        c = first + (length - 1 - i if kind == "states" else i)
+        # States walk their segment backwards (decay to its end), gradients forwards.
+        c = segment * length + (length - 1 - i if kind == "states" else i)
         tok = common.chunk_tokens(c, static)
         masks = common.chunk_masks(c, s_ref, seq_ref, static)
         if kind == "states":
@@ -157,29 +150,23 @@ def _segment_sums_kernel(tokens_ref, dt_ref, s_ref, operand_ref, *refs, static, 
     decays_ref[...] = jnp.full(decays_ref.shape, decay)
 
 
-def sums_per_walk(static):
-    """Segment sums of each split walk: S - 1 segments in `static.sum_parts` parts each."""
-    return (static.num_segments - 1) * static.sum_parts
-
-
 def segment_sums(tokens, dt, s, operand, seq, *, static, kind):
-    """(sums, decays) of the S - 1 segments of each split walk, in parts (module docstring).
+    """(sums, decays) of S - 1 segments of each split walk (see the module docstring).
 
     tokens (B, Tp, H, Pp) are x for kind "states" and dY for "gradients"; operand (B, Tp, G, Np)
-    is B or C; dt, s (B, H, Tp) float32; seq (B, Tp) or None. With K split walks and R parts a
-    segment, returns sums (K, (S - 1) R, P block, Np) float32 and decays (K, (S - 1) R, P
-    block) float32 (each part's product of chunk decays, repeated over the block), in chunk
-    order: index j holds part j % R of segment j // R for "states" and of j // R + 1 for
-    "gradients".
+    is B or C; dt, s (B, H, Tp) float32; seq (B, Tp) or None. With K split walks, returns sums
+    (K, S - 1, P block, Np) float32 and decays (K, S - 1, P block) float32 (each segment's
+    product of chunk decays, repeated over the block), index j holding segment j for "states"
+    and j + 1 for "gradients".
     """
     batch, t_pad, heads, p_pad = tokens.shape
     n_pad = operand.shape[-1]
     bp, num_p_blocks = static.block_p, p_pad // static.block_p
     hpg = heads // operand.shape[2]
     split_walks = batch * heads * num_p_blocks - static.whole_walks
-    per_walk = sums_per_walk(static)
+    per_walk = static.num_segments - 1
 
-    # Program k sums part k % per_walk of split walk k // per_walk.
+    # Program k sums segment k % per_walk of split walk k // per_walk.
     index = WalkIndex(lambda k: static.whole_walks + k // per_walk, heads, num_p_blocks, hpg)
     in_specs = [
         pl.BlockSpec((None, t_pad, None, bp), index.tokens),
@@ -212,7 +199,7 @@ def segment_sums(tokens, dt, s, operand, seq, *, static, kind):
 def specs(static, n_pad):
     """BlockSpecs of (sums, decays) as inputs of a scan kernel (one-axis grid of programs): each
     program sees its split walk's (a whole walk's: the first split walk's, unused)."""
-    per_walk, bp = sums_per_walk(static), static.block_p
+    per_walk, bp = static.num_segments - 1, static.block_p
 
     def split_walk(k):
         return walk_part(k, static).split_walk
