@@ -86,7 +86,6 @@ def state_gradients(dy, dt, s, c, seq, dfinal, *, static):
     n_pad = c.shape[-1]
     bp, nc, num_p_blocks = static.block_p, static.num_chunks, p_pad // static.block_p
     hpg = heads // c.shape[2]
-
     index = segments.program_index(static, heads, num_p_blocks, hpg)
     state_spec = pl.BlockSpec((None, None, bp, n_pad), index.state)
     in_specs = [

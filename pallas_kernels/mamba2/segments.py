@@ -21,8 +21,8 @@ the sums of this module's kernel, for each split walk:
 
 Either sum is one matmul accumulation per program (the only dependence between chunks is the
 running scalar product of decays); its floor is one read of x (or dY) for the split walks, and
-on an H200 it takes about 1.7x that (benchmarks/NOTES.md), which is why short lists of walks are
-not split.
+on an H200 it takes about 1.7x that (benchmarks/NOTES.md), which is why walks are split only
+where the GPU would otherwise idle: when they are few, or in the last round of many.
 """
 
 import functools
@@ -47,12 +47,12 @@ class WalkPart(NamedTuple):
     walk), and its chunks: `num_chunks` from `first_chunk` (a Python int unless the kernel has
     both whole and split walks)."""
 
-    walk: jnp.ndarray
-    split_walk: jnp.ndarray
-    segment: jnp.ndarray
-    last_segment: jnp.ndarray
-    first_chunk: jnp.ndarray
-    num_chunks: jnp.ndarray | int
+    walk: jax.Array
+    split_walk: jax.Array
+    segment: jax.Array
+    last_segment: jax.Array | int
+    first_chunk: jax.Array
+    num_chunks: jax.Array | int
 
 
 def walk_part(program, static):
