@@ -42,7 +42,8 @@ def static_for(blocks, shape, block_t, interpret=False):
         num_chunks=shape.seq_len // block_t,
         multiprocessors=tuning.multiprocessors(_compat.target_device()[0],
                                                _compat.target_multiprocessors()),
-        interpret=interpret, has_seq_idx=False, has_d=True, has_z=False, has_initial_states=False)
+        interpret=interpret, has_seq_idx=False, has_d=True, has_z=False, has_initial_states=False,
+        seq_len=shape.seq_len, dt_softplus=True, dt_limit=(0.0, float("inf")))
 
 
 def kernel_inputs(shape):

@@ -10,7 +10,7 @@ import pytest
 from ssd_cases import loss_and_grads, make_inputs, rel_error
 
 import pallas_kernels
-from pallas_kernels.mamba2 import reference, segments, tuning
+from pallas_kernels.mamba2 import common, preprocess, reference, segments, tuning
 
 pallas = functools.partial(pallas_kernels.mamba_chunk_scan_combined, implementation="pallas")
 
@@ -33,6 +33,8 @@ CASES = [
     # 12 heads per group: the chunk-gradient kernel splits each group into blocks of 6 heads
     # (tuning's 8 rounded down to a divisor); the state-term kernel loops over all 12 for dB, dC.
     ("h24-g2-head-blocks", dict(t=40, h=24, g=2), dict(chunk_size=16, dt_softplus=True)),
+    # An odd head count: the dt preprocessing kernel takes one head per program.
+    ("h3-odd-heads", dict(t=20, h=3, g=1), dict(chunk_size=16, dt_softplus=True)),
 ]
 
 
@@ -112,6 +114,33 @@ def test_last_round_split_matches_recurrence(multiprocessors, split, seq_idx, mo
     assert rel_error(final, final_ref) < 2e-5
     for name, grad in grads.items():
         assert rel_error(grad, grads_ref[name]) < 5e-5, name
+
+
+@pytest.mark.parametrize(
+    "heads,softplus,limit,bias",
+    [(12, True, (0.0, float("inf")), True), (5, False, (0.1, 0.6), False),
+     (24, True, (0.2, 0.5), True)],
+)
+def test_preprocess_kernel_matches_xla(heads, softplus, limit, bias):
+    """dt' and the in-chunk log2 cumsum s from the kernel against jnp: padding tokens zero."""
+    t, t_pad, q = 77, 96, 32
+    keys = jax.random.split(jax.random.key(8), 3)
+    dt = jax.random.normal(keys[0], (2, t, heads), jnp.bfloat16)
+    dt_bias = jax.random.normal(keys[1], (heads,)) if bias else None
+    A = -jnp.exp(jax.random.normal(keys[2], (heads,)))
+    static = common.Static.from_blocks(
+        tuning.blocks_for("cpu", 16), block_t=q, p_pad=16, batch=2, heads=heads,
+        heads_per_group=1, num_chunks=t_pad // q, multiprocessors=1, interpret=True,
+        has_seq_idx=False, has_d=False, has_z=False, has_initial_states=False, seq_len=t,
+        dt_softplus=softplus, dt_limit=limit,
+    )
+    padded = jnp.pad(dt, ((0, 0), (0, t_pad - t), (0, 0)), constant_values=3.0)
+    step, s = preprocess.preprocess(padded, dt_bias, A, static=static)
+    step_ref = jnp.swapaxes(reference.preprocess_dt(dt, dt_bias, softplus, limit), 1, 2)
+    step_ref = jnp.pad(step_ref, ((0, 0), (0, 0), (0, t_pad - t)))
+    np.testing.assert_array_equal(np.asarray(step), np.asarray(step_ref))
+    s_ref = common.chunk_log2_decays(step_ref, A, q)
+    np.testing.assert_allclose(np.asarray(s), np.asarray(s_ref), rtol=1e-6, atol=1e-6)
 
 
 def test_dt_limit_clamp_has_zero_gradient():

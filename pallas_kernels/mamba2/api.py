@@ -16,7 +16,15 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat
 from pallas_kernels.attention.tuning import pow2_at_least
-from pallas_kernels.mamba2 import backward, common, forward, reference, state_update, tuning
+from pallas_kernels.mamba2 import (
+    backward,
+    common,
+    forward,
+    preprocess,
+    reference,
+    state_update,
+    tuning,
+)
 
 IMPLEMENTATIONS = ("pallas", "xla")
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
@@ -70,9 +78,8 @@ def mamba_chunk_scan_combined(
             initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
             dt_limit=dt_limit, return_final_states=return_final_states,
         )
-    dt_step = reference.preprocess_dt(dt, dt_bias, dt_softplus, dt_limit).astype(jnp.float32)
-    y, final = _pallas_ssd(x, dt_step, A, B, C, chunk_size, D, z, initial_states, seq_idx,
-                           interpret)
+    y, final = _pallas_ssd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                           dt_softplus, tuple(dt_limit), interpret)
     return (y, final) if return_final_states else y
 
 
@@ -245,7 +252,8 @@ def _pad(x, sizes, mode="constant"):
     return x if not any(w for _, w in widths) else jnp.pad(x, widths, mode=mode)
 
 
-def _pallas_ssd(x, dt_step, A, B, C, chunk_size, D, z, initial_states, seq_idx, interpret):
+def _pallas_ssd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                dt_softplus, dt_limit, interpret):
     """Pads to whole chunks and power-of-two P and N, runs `_ssd`, slices back."""
     b, t, h, p = x.shape
     n = B.shape[-1]
@@ -268,6 +276,9 @@ def _pallas_ssd(x, dt_step, A, B, C, chunk_size, D, z, initial_states, seq_idx, 
         has_d=D is not None,
         has_z=z is not None,
         has_initial_states=initial_states is not None,
+        seq_len=t,
+        dt_softplus=dt_softplus,
+        dt_limit=dt_limit,
     )
     if D is not None:
         D = jnp.broadcast_to(D.astype(jnp.float32)[:, None] if D.ndim == 1 else D, (h, p))
@@ -275,7 +286,8 @@ def _pallas_ssd(x, dt_step, A, B, C, chunk_size, D, z, initial_states, seq_idx, 
     y, final = _ssd(
         static,
         _pad(x, (None, t_pad, None, p_pad)),
-        _pad(jnp.swapaxes(dt_step, 1, 2), (None, None, t_pad)),
+        _pad(dt, (None, t_pad, None)),
+        dt_bias,
         A.astype(jnp.float32),
         _pad(B, (None, t_pad, None, n_pad)),
         _pad(C.astype(B.dtype), (None, t_pad, None, n_pad)),
@@ -290,20 +302,20 @@ def _pallas_ssd(x, dt_step, A, B, C, chunk_size, D, z, initial_states, seq_idx, 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ssd(static, x, dt_step, A, B, C, D, z, h0, seq):
-    """(y, final) of padded inputs; dt_step (b, H, Tp) float32. See `forward.forward`."""
-    return _ssd_fwd(static, x, dt_step, A, B, C, D, z, h0, seq)[0]
+def _ssd(static, x, dt, dt_bias, A, B, C, D, z, h0, seq):
+    """(y, final) of padded inputs; dt (b, Tp, H) raw. See `forward.forward`."""
+    return _ssd_fwd(static, x, dt, dt_bias, A, B, C, D, z, h0, seq)[0]
 
 
-def _ssd_fwd(static, x, dt_step, A, B, C, D, z, h0, seq):
-    s = common.chunk_log2_decays(dt_step, A, static.block_t)
+def _ssd_fwd(static, x, dt, dt_bias, A, B, C, D, z, h0, seq):
+    dt_step, s = preprocess.preprocess(dt, dt_bias, A, static=static)
     y, y_pre, final = forward.forward(x, dt_step, s, B, C, seq, D, z, h0, static=static)
-    return (y, final), (x, dt_step, A, B, C, D, z, h0, seq, y_pre)
+    return (y, final), (x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre)
 
 
 def _ssd_bwd(static, residuals, cotangents):
     static = static.for_backward()
-    x, dt_step, A, B, C, D, z, h0, seq, y_pre = residuals
+    x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre = residuals
     dy, dfinal = cotangents
     dz = None
     if z is not None:
@@ -313,7 +325,6 @@ def _ssd_bwd(static, residuals, cotangents):
         dz = dz.astype(z.dtype)
         dy = dy.astype(jnp.float32) * zf * sig
     dy = dy.astype(x.dtype)
-    s = common.chunk_log2_decays(dt_step, A, static.block_t)
     states, _ = forward.forward(x, dt_step, s, B, C, seq, None, None, h0, static=static,
                                 emit="states")
     dfinal = dfinal.astype(jnp.float32)
@@ -323,10 +334,24 @@ def _ssd_bwd(static, residuals, cotangents):
     )
     ddt_step = dlog_decay * A[None, :, None] + ddt_x
     dA = jnp.sum(dlog_decay * dt_step, axis=(0, 2))
+    ddt, ddt_bias = _preprocess_vjp(static, dt, dt_bias, ddt_step)
     dD = None
     if D is not None:
         dD = jnp.sum(dy.astype(jnp.float32) * x.astype(jnp.float32), axis=(0, 1))
-    return dx, ddt_step, dA, dB, dC, dD, dz, None if h0 is None else dh0, None
+    return dx, ddt, ddt_bias, dA, dB, dC, dD, dz, None if h0 is None else dh0, None
+
+
+def _preprocess_vjp(static, dt, dt_bias, ddt_step):
+    """Gradients of the raw dt (b, Tp, H) and dt_bias (or None) from that of dt' (b, H, Tp),
+    through `reference.preprocess_dt` (what `preprocess.preprocess` computes in the kernel)."""
+    real = jnp.arange(dt.shape[1]) < static.seq_len  # padding tokens have no step
+    ddt_step = jnp.where(real[None, :, None], jnp.swapaxes(ddt_step, 1, 2), 0.0)
+
+    def step_sizes(dt, dt_bias):
+        return reference.preprocess_dt(dt, dt_bias, static.dt_softplus, static.dt_limit)
+
+    step, vjp = jax.vjp(step_sizes, dt, dt_bias)
+    return vjp(ddt_step.astype(step.dtype))
 
 
 _ssd.defvjp(_ssd_fwd, _ssd_bwd)

@@ -26,6 +26,9 @@ class Static:
     has_d: bool
     has_z: bool
     has_initial_states: bool
+    seq_len: int  # real tokens T (the kernels see Tp = num_chunks * block_t)
+    dt_softplus: bool  # dt preprocessing (`reference.preprocess_dt`)
+    dt_limit: tuple[float, float]
     num_warps: int  # scan kernels
     num_stages: int  # scan kernels but the forward
     forward_num_stages: int
@@ -38,7 +41,7 @@ class Static:
     @classmethod
     def from_blocks(cls, blocks, *, block_t, p_pad, batch, heads, heads_per_group, num_chunks,
                     multiprocessors, interpret, **flags):
-        """The Static of a tuning.SSDBlocks row; `flags` are the has_* fields.
+        """The Static of a tuning.SSDBlocks row; `flags` are the has_*, seq_len and dt_* fields.
 
         A walk is one (batch row, head, head-dim block): a serial pass over all chunks. With
         fewer than `blocks.segment_walks_below` walks, every walk of the forward scan is split
