@@ -1,10 +1,11 @@
 """`mamba_chunk_scan_combined`: Mamba2's SSD with mamba_ssm's names, shapes and meaning.
 
 A call flows: argument checks (before anything is traced) -> implementation choice ("xla" runs
-the chunked jnp reference, "pallas" the kernels) -> dt preprocessing (softplus, bias, clip) and
-padding in XLA, differentiated by XLA -> `_ssd`, a `jax.custom_vjp` over the kernels whose
-forward saves x, dt', A, B, C, D, z, h0 and the pre-gate output, and whose backward recomputes
-the chunk states.
+the chunked jnp reference, "pallas" the kernels) -> padding in XLA -> `_ssd`, a
+`jax.custom_vjp` over the kernels: its forward runs the dt preprocessing kernel (softplus, bias,
+clip, in-chunk log2 cumsum: `preprocess`) and the forward scan, and saves x, dt, dt', s, A, B, C,
+D, z, h0 and the pre-gate output; its backward recomputes the chunk states and differentiates the
+dt preprocessing through `reference.preprocess_dt`.
 """
 
 import functools
