@@ -33,7 +33,7 @@ CASES = [
     # 12 heads per group: the chunk-gradient kernel splits each group into blocks of 6 heads
     # (tuning's 8 rounded down to a divisor); the state-term kernel loops over all 12 for dB, dC.
     ("h24-g2-head-blocks", dict(t=40, h=24, g=2), dict(chunk_size=16, dt_softplus=True)),
-    # An odd head count: the dt preprocessing kernel takes one head per program.
+    # An odd head count: the dt preprocessing kernel pads the 3 heads to its 16-head block.
     ("h3-odd-heads", dict(t=20, h=3, g=1), dict(chunk_size=16, dt_softplus=True)),
 ]
 
