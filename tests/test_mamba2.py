@@ -54,66 +54,92 @@ def test_matches_recurrence_float32(case):
         assert rel_error(grad, grads_ref[name]) < 5e-5, name
 
 
-@pytest.mark.parametrize("backward_split", [True, False], ids=["all-split", "forward-split"])
+def _static(**fields):
+    """A CPU Static (one program per walk unless `fields` say otherwise)."""
+    kw = dict(block_t=16, p_pad=16, batch=2, heads=4, heads_per_group=1, num_chunks=1,
+              multiprocessors=1, interpret=True, has_seq_idx=False, has_d=False, has_z=False,
+              has_initial_states=False, seq_len=16, dt_softplus=True,
+              dt_limit=(0.0, float("inf")))
+    return common.Static.from_blocks(tuning.blocks_for("cpu", 16), **(kw | fields))
+
+
+# Cuts of the scan kernels' walks (common.Schedule) on 8 walks (2 rows x 4 heads) of 150 tokens
+# = 10 chunks of 16: (id, forward schedule, backward's walks cut into 5 units too).
+SCHEDULES = [
+    # Every walk in 5 parts of 2 chunks (few walks), the backward's as well.
+    ("five-parts", common.Schedule(5, 1, 0), True),
+    # Every walk split into 5 units (one part, all walks split).
+    ("all-split", common.Schedule(5, 5, 8), False),
+    # Walks 2-7 whole, walks 0-1 (the last round's) in 5 units.
+    ("last-round-split", common.Schedule(5, 5, 2), False),
+    # Halves of 5 chunks; the first halves of walks 0-2 in 5 units of one chunk.
+    ("halves-split", common.Schedule(10, 5, 3), True),
+]
+
+
+@pytest.mark.parametrize("case", SCHEDULES, ids=[c[0] for c in SCHEDULES])
+def test_walk_parts_cover_every_unit_once(case):
+    _, schedule, _ = case
+    static = dataclasses.replace(_static(num_chunks=10), walks=8, schedule=schedule)
+    seen = []
+    for program in range(segments.num_programs(static)):
+        part = segments.walk_part(jnp.int32(program), static)
+        first, end = int(part.first_unit), int(part.end_unit)
+        assert int(part.first_chunk) == first * static.unit_chunks
+        assert int(part.num_chunks) == (end - first) * static.unit_chunks
+        seen += [(int(part.walk), unit) for unit in range(first, end)]
+    assert sorted(seen) == [(w, u) for w in range(8) for u in range(schedule.num_units)]
+
+
 @pytest.mark.parametrize("seq_idx", [False, True], ids=["plain", "seq-idx"])
-def test_segmented_scan_matches_recurrence(seq_idx, backward_split, monkeypatch):
-    # The scan kernels (forward, state recompute, state gradients) split into segments walked
-    # in parallel, forced here at a small size: 150 tokens are 10 chunks of 16, 5 segments of 2;
-    # with backward_split False only the forward splits.
+@pytest.mark.parametrize("case", SCHEDULES, ids=[c[0] for c in SCHEDULES])
+def test_cut_walks_match_recurrence(case, seq_idx, monkeypatch):
+    # The scan kernels (forward, state recompute, state gradients) with their walks cut into
+    # programs walked in parallel (segments.py), forced here at a small size.
+    _, schedule, backward_split = case
     table = tuning.blocks_for
     monkeypatch.setattr(tuning, "blocks_for", lambda kind, n: dataclasses.replace(
-        table(kind, n), segment_walks_below=10**6, scan_programs=10**6, min_segment_chunks=2,
+        table(kind, n), scan_programs=10**6, min_segment_chunks=2,
         backward_segment_walks_below=10**6 if backward_split else 0))
+    monkeypatch.setattr(common, "forward_schedule", lambda *a: schedule)
     calls = []
     segment_sums = segments.segment_sums
     monkeypatch.setattr(segments, "segment_sums",
-                        lambda *a, static, kind: calls.append((kind, static.num_segments))
+                        lambda *a, static, kind: calls.append((kind, static.schedule))
                         or segment_sums(*a, static=static, kind=kind))
     args = make_inputs(12, t=150)
-    if seq_idx:  # row 0: a sequence starts on a segment's first token (32) and one inside (75)
-        ids = (jnp.arange(150) >= 32).astype(jnp.int32) + (jnp.arange(150) >= 75)
-        args["seq_idx"] = jnp.stack([ids, jnp.zeros(150, jnp.int32)])
+    if seq_idx:  # sequences start on a unit's first token (32, 80) and inside chunks (37, 75)
+        ids = jnp.arange(150)
+        args["seq_idx"] = jnp.stack([(ids >= 32).astype(jnp.int32) + (ids >= 75),
+                                     (ids >= 37).astype(jnp.int32) + (ids >= 80)])
     kw = dict(chunk_size=16, dt_softplus=True)
     (y, final), grads = loss_and_grads(pallas, args, **kw)
     (y_ref, final_ref), grads_ref = loss_and_grads(reference.ssd_recurrence, args, **kw)
     # The forward, then the backward's state recompute and state gradients.
-    assert calls == [("states", 5)] + ([("states", 5), ("gradients", 5)] if backward_split else [])
+    backward = common.Schedule(5, 1, 0)
+    assert calls == [("states", schedule)] + (
+        [("states", backward), ("gradients", backward)] if backward_split else [])
     assert rel_error(y, y_ref) < 2e-5
     assert rel_error(final, final_ref) < 2e-5
     for name, grad in grads.items():
         assert rel_error(grad, grads_ref[name]) < 5e-5, name
 
 
-@pytest.mark.parametrize("multiprocessors, split", [(6, (6, 2)), (7, (7, 5))],
-                         ids=["two-split-walks", "one-split-walk"])
-@pytest.mark.parametrize("seq_idx", [False, True], ids=["plain", "seq-idx"])
-def test_last_round_split_matches_recurrence(multiprocessors, split, seq_idx, monkeypatch):
-    # Many walks: the forward splits only the walks of its last, partial round of programs.
-    # 8 walks (2 rows x 4 heads) with 6 (7) running at once: walks 0-5 (0-6) whole, the last 2
-    # (1) in 2 (5) segments of 150 tokens = 10 chunks of 16.
-    table = tuning.blocks_for
-    monkeypatch.setattr(tuning, "blocks_for", lambda kind, n: dataclasses.replace(
-        table(kind, n), segment_walks_below=0, backward_segment_walks_below=0,
-        programs_per_sm=1, min_segment_chunks=2))
-    monkeypatch.setattr(tuning, "multiprocessors", lambda kind, known: multiprocessors)
-    calls = []
-    segment_sums = segments.segment_sums
-    monkeypatch.setattr(segments, "segment_sums",
-                        lambda *a, static, kind: calls.append(
-                            (kind, static.whole_walks, static.num_segments))
-                        or segment_sums(*a, static=static, kind=kind))
-    args = make_inputs(13, t=150)
-    if seq_idx:  # row 1 (the split walks): sequences start inside chunks and on chunk 5's start
-        ids = (jnp.arange(150) >= 37).astype(jnp.int32) + (jnp.arange(150) >= 80)
-        args["seq_idx"] = jnp.stack([jnp.zeros(150, jnp.int32), ids])
-    kw = dict(chunk_size=16, dt_softplus=True)
-    (y, final), grads = loss_and_grads(pallas, args, **kw)
-    (y_ref, final_ref), grads_ref = loss_and_grads(reference.ssd_recurrence, args, **kw)
-    assert calls == [("states", *split)]  # the forward's split walks only
-    assert rel_error(y, y_ref) < 2e-5
-    assert rel_error(final, final_ref) < 2e-5
-    for name, grad in grads.items():
-        assert rel_error(grad, grads_ref[name]) < 5e-5, name
+@pytest.mark.parametrize("walks, num_chunks, schedule", [
+    # b 4 x 80 heads at T 4096 (64 chunks), 264 programs at once: the last round's 56 walks
+    # split in 4 units.
+    (320, 64, common.Schedule(4, 4, 56)),
+    # b 2 x 80 heads at T 8192 (128 chunks): halves, the 56 first halves beyond one round split
+    # in 4 units of 16 chunks (steps 64 + 16, sums for 640 units).
+    (160, 128, common.Schedule(8, 4, 56)),
+    # 160 walks of 16 chunks fit one round: no cut.
+    (160, 16, common.Schedule(1, 1, 0)),
+    # 4 walks of 2048 chunks: 64 parts each, 256 programs in one round.
+    (4, 2048, common.Schedule(64, 1, 0)),
+])
+def test_forward_schedule_on_h200(walks, num_chunks, schedule):
+    blocks = tuning.blocks_for("NVIDIA H200", 64)
+    assert common.forward_schedule(walks, num_chunks, 264, blocks) == schedule
 
 
 @pytest.mark.parametrize(
@@ -128,12 +154,8 @@ def test_preprocess_kernel_matches_xla(heads, softplus, limit, bias):
     dt = jax.random.normal(keys[0], (2, t, heads), jnp.bfloat16)
     dt_bias = jax.random.normal(keys[1], (heads,)) if bias else None
     A = -jnp.exp(jax.random.normal(keys[2], (heads,)))
-    static = common.Static.from_blocks(
-        tuning.blocks_for("cpu", 16), block_t=q, p_pad=16, batch=2, heads=heads,
-        heads_per_group=1, num_chunks=t_pad // q, multiprocessors=1, interpret=True,
-        has_seq_idx=False, has_d=False, has_z=False, has_initial_states=False, seq_len=t,
-        dt_softplus=softplus, dt_limit=limit,
-    )
+    static = _static(block_t=q, heads=heads, num_chunks=t_pad // q, seq_len=t,
+                     dt_softplus=softplus, dt_limit=limit)
     padded = jnp.pad(dt, ((0, 0), (0, t_pad - t), (0, 0)), constant_values=3.0)
     step, s = preprocess.preprocess(padded, dt_bias, A, static=static)
     step_ref = jnp.swapaxes(reference.preprocess_dt(dt, dt_bias, softplus, limit), 1, 2)

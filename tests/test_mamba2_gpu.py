@@ -42,18 +42,22 @@ def test_bf16_against_float32_reference(groups, seq_idx):
     _against_float32_reference(args)
 
 
-def test_last_round_split_against_float32_reference(monkeypatch):
-    """320 walks (4 rows x 80 heads): more than run at once on an H200, so the forward splits
-    the walks of its last round into segments (segments.py)."""
+@pytest.mark.parametrize("batch, t, num_parts", [(4, 4096, 1), (2, 8192, 2)],
+                         ids=["last-round-split", "halves-split"])
+def test_cut_walks_against_float32_reference(batch, t, num_parts, monkeypatch):
+    """80 heads at 16k tokens on an H200 (264 forward programs at once): at b 4 the forward
+    walks 264 walks whole and splits the other 56; at b 2 it walks halves and splits the 56
+    first halves beyond one round (common.forward_schedule). Split walks are walks 0 .. 55,
+    in row 0."""
     calls = []
     segment_sums = segments.segment_sums
     monkeypatch.setattr(segments, "segment_sums", lambda *a, static, kind: calls.append(
-        static.whole_walks) or segment_sums(*a, static=static, kind=kind))
-    args = make_inputs(5, b=4, t=4096, h=80, p=64, n=64, g=1, d="h", dtype=jnp.bfloat16,
+        static.schedule) or segment_sums(*a, static=static, kind=kind))
+    args = make_inputs(5, b=batch, t=t, h=80, p=64, n=64, g=1, d="h", dtype=jnp.bfloat16,
                        z=False)
     y, y_ref = _against_float32_reference(args)
-    assert calls and calls[0] > 0  # the forward ran whole and split walks
-    assert rel_error(y[3], y_ref[3]) < 2e-2  # the last row: the split walks
+    assert calls and calls[0].num_parts == num_parts and calls[0].split_walks == 56
+    assert rel_error(y[0], y_ref[0]) < 2e-2  # the row of the split walks
 
 
 def test_131072_tokens():

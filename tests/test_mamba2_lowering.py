@@ -46,10 +46,11 @@ def _lower_train_step(device_kind, platform, *, t=4096, seq_idx=False, groups=1)
 
 # The dt preprocessing, the forward scan's segment sums and the forward scan, then the
 # backward's state recompute, state gradients, chunk gradients and the dB/dC state terms (one
-# kernel). On the H200, b 2 x 80 heads x one 64-row head-dim block = 160 walks, all split (8
-# segments of 8 chunks at T 4096, 2 of 8 at T 1000; the backward's walks split only below 160).
-# On gfx942 the 16-row head-dim blocks make 640 walks, more than the 304 compute units run at
-# once (one program each, by the table), so the forward splits the last round's 32 walks.
+# kernel). On the H200, b 2 x 80 heads x one 64-row head-dim block = 160 walks of 64 chunks at
+# T 4096: the forward walks halves and splits the 56 first halves beyond its first round (264
+# programs), so it needs segment sums; the backward's walks are cut only below 160. On gfx942
+# the 16-row head-dim blocks make 640 walks, more than the 304 compute units run at once (one
+# program each, by the table), so the forward splits the last round's 32 walks.
 _TRITON_CALLS = 7
 
 
@@ -63,7 +64,8 @@ def test_ssd_forward_and_backward_lower_to_triton(device_kind, platform, seq_idx
 @pytest.mark.parametrize("device_kind,platform", TARGETS, ids=[t[1] for t in TARGETS])
 def test_ragged_length_and_groups_lower(device_kind, platform):
     text = _lower_train_step(device_kind, platform, t=1000, groups=8)
-    assert text.count(TRITON_CALL) == _TRITON_CALLS
+    # On the H200 the 160 walks of 16 chunks fit one round of programs: no segment sums.
+    assert text.count(TRITON_CALL) == _TRITON_CALLS - (platform == "cuda")
 
 
 @pytest.mark.parametrize("device_kind,platform", TARGETS, ids=[t[1] for t in TARGETS])

@@ -2,7 +2,7 @@
 
 After the forward kernel recomputes the state entering each chunk (`forward(emit="states")`):
 
-* `state_gradients`: one program per (batch row, head, head-dim block, segment: see
+* `state_gradients`: one program per (batch row, head, head-dim block, part: see
   `segments`) walks the chunks in reverse, G <- dH_local + exp(s_last) G, writing G (the
   gradient of the state leaving each chunk) and the initial-state gradient.
 * `chunk_gradients`: one program per (chunk, block of one group's heads, batch row) loops over
@@ -39,8 +39,9 @@ def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final):
     refs = list(refs)
     seq_ref = refs.pop(0) if static.has_seq_idx else None
     dfinal_ref = refs.pop(0) if has_final else None
-    if static.num_segments > 1:
-        segment_grads_ref, segment_decays_ref = refs.pop(0), refs.pop(0)
+    num_units = static.schedule.num_units
+    if num_units > 1:
+        unit_grads_ref, unit_decays_ref = refs.pop(0), refs.pop(0)
     gstates_ref, dh0_ref = refs
     part = segments.walk_part(pl.program_id(0), static)
 
@@ -60,17 +61,17 @@ def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final):
         if dfinal_ref is not None
         else jnp.zeros(dh0_ref.shape, jnp.float32)
     )
-    if static.num_segments > 1:
-        # The gradient of the state leaving this segment: the later segments' own gradients
-        # passed back (index j holds segment j + 1).
+    if num_units > 1:
+        # The gradient of the state leaving this part: the later units' own gradients passed
+        # back (index j holds unit j + 1).
         def leave(i, grad):
-            j = part.last_segment - 1 - i
-            return segment_grads_ref[j] + segment_decays_ref[j, 0] * grad
+            j = num_units - 2 - i
+            return unit_grads_ref[j] + unit_decays_ref[j, 0] * grad
 
-        grad = jax.lax.fori_loop(0, part.last_segment - part.segment, leave, grad)
+        grad = jax.lax.fori_loop(0, num_units - part.end_unit, leave, grad)
     grad = jax.lax.fori_loop(0, part.num_chunks, chunk, grad)
 
-    @pl.when(part.segment == 0)
+    @pl.when(part.first_unit == 0)
     def _():
         dh0_ref[...] = grad
 
@@ -100,12 +101,12 @@ def state_gradients(dy, dt, s, c, seq, dfinal, *, static):
     if dfinal is not None:
         in_specs.append(state_spec)
         args.append(dfinal)
-    if static.num_segments > 1:
-        in_specs += segments.specs(static, n_pad)
+    if static.schedule.num_units > 1:
+        in_specs += segments.specs(static, n_pad, "gradients")
         args += segments.segment_sums(dy, dt, s, c, seq, static=static, kind="gradients")
     gstates, dh0 = pl.pallas_call(
         functools.partial(_state_gradients_kernel, static=static, has_final=dfinal is not None),
-        grid=(segments.num_programs(static, batch * heads * num_p_blocks),),
+        grid=(segments.num_programs(static),),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, nc, None, bp, n_pad), index.chunk_states), state_spec],
         out_shape=[

@@ -8,6 +8,59 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 
+class Schedule(NamedTuple):
+    """How a scan kernel's walks are cut into programs (`segments` has the program order).
+
+    A walk (one batch row, head and head-dim block) is cut into `num_units` units of equal
+    length and walked in parts of `part_units` units, one program per part, except the first
+    part of walks 0 .. `split_walks` - 1, walked one unit per program. No cut: (1, 1, 0).
+    """
+
+    num_units: int
+    part_units: int
+    split_walks: int
+
+    @property
+    def num_parts(self):
+        return self.num_units // self.part_units
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def forward_schedule(walks, num_chunks, at_once, blocks):
+    """The forward scan's Schedule: the cheapest of all cuts by a count of chunk steps.
+
+    `at_once` programs run at once. A cut's cost is the chunk steps of its rounds of programs
+    (whole parts fill rounds first, the split units follow), the segment sums it needs (a sum's
+    chunk step costs `blocks.sum_step_cost` of a walk's) and `blocks.round_cost` steps for each
+    round of either kernel. Units are at least `blocks.min_segment_chunks` chunks long.
+    """
+    best = None
+    for num_units in range(1, num_chunks + 1):
+        unit_chunks = num_chunks // num_units
+        if num_chunks % num_units or (num_units > 1 and unit_chunks < blocks.min_segment_chunks):
+            continue
+        for part_units in (u for u in range(1, num_units + 1) if num_units % u == 0):
+            num_parts = num_units // part_units
+            full_rounds, rest = divmod(walks * num_parts, at_once)
+            split_walks = rest if part_units > 1 else 0
+            if part_units > 1 and not 0 < rest <= walks:
+                continue  # nothing to split (the same as part_units 1), or more than first parts
+            whole_rounds = full_rounds + (rest > 0 and split_walks == 0)
+            split_rounds = _ceil_div(split_walks * part_units, at_once)
+            steps = (whole_rounds * part_units + split_rounds) * unit_chunks
+            summed = (walks * (num_units - part_units) if num_parts > 1
+                      else split_walks * (part_units - 1))
+            sum_rounds = _ceil_div(summed, at_once)
+            cost = (steps + sum_rounds * unit_chunks * blocks.sum_step_cost
+                    + (whole_rounds + split_rounds + sum_rounds) * blocks.round_cost)
+            if best is None or cost < best[0]:
+                best = (cost, Schedule(num_units, part_units, split_walks))
+    return best[1]
+
+
 @dataclasses.dataclass(frozen=True)
 class Static:
     """What the kernels know at trace time (hashable: keys custom_vjp and jit)."""
@@ -16,12 +69,11 @@ class Static:
     block_p: int  # head-dim rows per program of the scan kernels
     heads_per_program: int  # heads per program of the chunk-gradient kernel (divides H / G)
     num_chunks: int
-    # The forward scan walks its first `whole_walks` walks whole and splits the others' chunks
-    # into `num_segments` runs walked by separate programs (`segments`); the backward's walks
-    # are all split into `backward_num_segments` runs (1: none).
-    whole_walks: int
-    num_segments: int
-    backward_num_segments: int
+    walks: int  # walks of the scan kernels: batch rows x heads x head-dim blocks
+    # How the scan kernels' walks are cut into programs (`Schedule`, `segments`): the forward's
+    # cut; the backward's walks are cut into `backward_num_units` parts of one unit.
+    schedule: Schedule
+    backward_num_units: int
     has_seq_idx: bool
     has_d: bool
     has_z: bool
@@ -43,37 +95,22 @@ class Static:
                     multiprocessors, interpret, **flags):
         """The Static of a tuning.SSDBlocks row; `flags` are the has_*, seq_len and dt_* fields.
 
-        A walk is one (batch row, head, head-dim block): a serial pass over all chunks. With
-        fewer than `blocks.segment_walks_below` walks, every walk of the forward scan is split
-        into equal segments of at least `blocks.min_segment_chunks` chunks, as many as keep the
-        programs (one per walk and segment) within `blocks.scan_programs`; the backward's walks
-        likewise below `blocks.backward_segment_walks_below` walks. With more walks, the forward
-        splits only the walks that would run in a last, partial round of programs (the
-        remainder of the walks over the programs that run at once, `blocks.programs_per_sm` on
-        each of `multiprocessors`): each into as many segments as that round has room for, so
-        the split walks finish soon after the whole ones.
+        A walk is one (batch row, head, head-dim block): a serial pass over all chunks. The
+        forward scan cuts its walks by `forward_schedule`, with `blocks.programs_per_sm`
+        programs at once on each of `multiprocessors`. Below `blocks.backward_segment_walks_below`
+        walks, the backward's walks are cut into equal parts of at least
+        `blocks.min_segment_chunks` chunks, as many as keep the programs within
+        `blocks.scan_programs`.
         """
         block_p = min(blocks.block_p, p_pad)
         walks = batch * heads * (p_pad // block_p)
-
-        def most_segments(split_walks, programs):
-            """Most segments (dividing the chunks, each long enough) that keep `split_walks`
-            split walks within `programs` programs; 1 where there are none."""
-            return max((
-                s for s in range(2, num_chunks + 1)
+        backward_num_units = 1
+        if walks < blocks.backward_segment_walks_below:
+            backward_num_units = max((
+                s for s in range(1, num_chunks + 1)
                 if num_chunks % s == 0 and num_chunks // s >= blocks.min_segment_chunks
-                and s * split_walks <= programs
+                and s * walks <= blocks.scan_programs
             ), default=1)
-
-        def few_walks_segments(walks_below):
-            return most_segments(walks, blocks.scan_programs) if walks < walks_below else 1
-
-        whole_walks, num_segments = 0, few_walks_segments(blocks.segment_walks_below)
-        if walks >= blocks.segment_walks_below:
-            at_once = blocks.programs_per_sm * multiprocessors
-            num_segments = most_segments(walks % at_once, at_once)
-            whole_walks = walks - walks % at_once if num_segments > 1 else 0
-
         return cls(
             block_t=block_t,
             block_p=block_p,
@@ -81,9 +118,11 @@ class Static:
                 k for k in range(1, blocks.heads_per_program + 1) if heads_per_group % k == 0
             ),
             num_chunks=num_chunks,
-            whole_walks=whole_walks,
-            num_segments=num_segments,
-            backward_num_segments=few_walks_segments(blocks.backward_segment_walks_below),
+            walks=walks,
+            schedule=forward_schedule(
+                walks, num_chunks, blocks.programs_per_sm * multiprocessors, blocks
+            ),
+            backward_num_units=backward_num_units,
             num_warps=blocks.num_warps,
             num_stages=blocks.num_stages,
             forward_num_stages=blocks.forward_num_stages or blocks.num_stages,
@@ -96,15 +135,13 @@ class Static:
         )
 
     def for_backward(self):
-        """This Static with the backward walks' segments (see `from_blocks`)."""
-        return dataclasses.replace(
-            self, whole_walks=0, num_segments=self.backward_num_segments
-        )
+        """This Static with the backward walks' schedule (see `from_blocks`)."""
+        return dataclasses.replace(self, schedule=Schedule(self.backward_num_units, 1, 0))
 
     @property
-    def segment_chunks(self):
-        """Chunks per segment of the scan kernels (num_segments divides num_chunks)."""
-        return self.num_chunks // self.num_segments
+    def unit_chunks(self):
+        """Chunks per unit of the scan kernels' schedule."""
+        return self.num_chunks // self.schedule.num_units
 
 
 def chunk_log2_decays(dt, A, block_t):

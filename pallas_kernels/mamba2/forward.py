@@ -1,7 +1,7 @@
 """SSD forward kernel (Pallas, Triton lowering): the chunked scan fused into one pass.
 
-One program owns one (batch row, head, block of head-dim rows, segment of the sequence) and walks
-the segment's chunks in order, keeping the (P_block, N) state in float32 registers. Per chunk of
+One program owns one (batch row, head, block of head-dim rows, part of the sequence) and walks
+the part's chunks in order, keeping the (P_block, N) state in float32 registers. Per chunk of
 Q tokens it computes
 
     y   = (L o C B^T o dt) x + exp(s) * (C h^T) + D x          (intra-chunk + carried state)
@@ -14,9 +14,10 @@ chunk instead of the output (`emit="states"`).
 
 A serial walk over all chunks leaves most of the GPU idle when batch x heads is small (160 walks
 on 132 SMs that could each run two), and with more walks than run at once, the last round of
-walks runs alone. So walks can be split into segments walked in parallel (all of them when they
-are few, those of the last round otherwise: `segments`), each program starting from the state
-entering its segment, built from `segments.segment_sums`.
+walks runs alone. So walks can be cut into parts walked in parallel, and the first parts that
+would run in a last, partial round into shorter units (`common.forward_schedule` picks the cut,
+`segments` numbers the programs); each program starts from the state entering its part, built
+from `segments.segment_sums`.
 """
 
 import functools
@@ -36,8 +37,9 @@ def _forward_kernel(*refs, static, emit):
     d_ref = refs.pop(0) if static.has_d and emit == "output" else None
     z_ref = refs.pop(0) if static.has_z and emit == "output" else None
     h0_ref = refs.pop(0) if static.has_initial_states else None
-    if static.num_segments > 1:
-        segment_states_ref, segment_decays_ref = refs.pop(0), refs.pop(0)
+    has_sums = segments.summed(static, "states")[1] > 0
+    if has_sums:
+        unit_states_ref, unit_decays_ref = refs.pop(0), refs.pop(0)
     if emit == "output":
         y_ref = refs.pop(0)
         y_pre_ref = refs.pop(0) if static.has_z else None
@@ -79,15 +81,15 @@ def _forward_kernel(*refs, static, emit):
         if h0_ref is not None
         else jnp.zeros(final_ref.shape, jnp.float32)
     )
-    if static.num_segments > 1:
-        # The state entering this segment: the earlier segments' own states passed along.
+    if has_sums:
+        # The state entering this part: the earlier units' own states passed along.
         def enter(j, state):
-            return segment_decays_ref[j, 0] * state + segment_states_ref[j]
+            return unit_decays_ref[j, 0] * state + unit_states_ref[j]
 
-        state = jax.lax.fori_loop(0, part.segment, enter, state)
+        state = jax.lax.fori_loop(0, part.first_unit, enter, state)
     state = jax.lax.fori_loop(0, part.num_chunks, chunk, state)
 
-    @pl.when(part.segment == part.last_segment)
+    @pl.when(part.end_unit == static.schedule.num_units)
     def _():
         final_ref[...] = state
 
@@ -129,8 +131,8 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
     if static.has_initial_states:
         in_specs.append(state_spec)
         args.append(h0)
-    if static.num_segments > 1:
-        in_specs += segments.specs(static, n_pad)
+    if segments.summed(static, "states")[1] > 0:
+        in_specs += segments.specs(static, n_pad, "states")
         args += segments.segment_sums(x, dt, s, b, seq, static=static, kind="states")
     final_shape = jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32)
     if emit == "output":
@@ -145,7 +147,7 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
         ]
     outs = pl.pallas_call(
         functools.partial(_forward_kernel, static=static, emit=emit),
-        grid=(segments.num_programs(static, batch * heads * num_p_blocks),),
+        grid=(segments.num_programs(static),),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,

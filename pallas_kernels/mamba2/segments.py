@@ -1,28 +1,36 @@
 """Programs of the scan kernels, and the segment sums that let them walk a sequence in parallel.
 
 A walk is one (batch row, head, head-dim block) of a scan kernel: a serial pass over the chunks,
-carrying the (P block, N) state (or its gradient) from chunk to chunk. A walk runs whole in one
-program or split into `static.num_segments` S equal segments walked by separate programs. The
-scan kernels have a one-axis grid: programs 0 .. F - 1 walk walks 0 .. F - 1 whole (F =
-`static.whole_walks`); the rest walk segment g of split walk F + k, program F + k S + g.
-Walks are numbered batch row first, then head, then head-dim block.
+carrying the (P block, N) state (or its gradient) from chunk to chunk. `static.schedule`
+(`common.Schedule`) cuts each of the W walks into U units of equal length, walked in K parts
+of U / K units, one program per part, except the first part of walks 0 .. M - 1, which is
+walked one unit per program. The scan kernels have a one-axis grid; programs are numbered
 
-A program walking segment g first needs what the segment receives from the others, built from
-the sums of this module's kernel, for each split walk:
+* first, parts 1 .. K - 1 of every walk: program p walks part 1 + p // W of walk p % W;
+* then part 0 of walks M .. W - 1;
+* then the units of part 0 of walks 0 .. M - 1, walk by walk,
 
-* kind "states" (forward scan, state recompute): for segments 0 .. S-2, the state leaving the
-  segment when it is entered with zero, sum over its chunks c of (x dt to_end decay_after_c)^T B
-  with decay_after_c the product of the decays of the segment's chunks after c. The state
-  entering segment k is then h_k = decay_{k-1} h_{k-1} + sums_{k-1}, from h_0 = h0 (or zero).
-* kind "gradients" (state gradients): for segments 1 .. S-1, the gradient of the state entering
-  the segment from the segment's own outputs, sum over c of (dY from_start decay_before_c)^T C.
-  The gradient of the state leaving segment k is then G_k = sums_{k+1} + decay_{k+1} G_{k+1},
-  from G_{S-1} = the final state's cotangent (or zero).
+so the whole parts fill the first rounds of programs and the short split units the last.
+
+A program starting inside its walk first needs what the walk's earlier units hand it (later
+units, walking gradients back), built from the sums of this module's kernel:
+
+* kind "states" (forward scan, state recompute): for units 0 .. R - 1 (R the latest unit a
+  program starts at), the state leaving the unit when it is entered with zero, sum over its
+  chunks c of (x dt to_end decay_after_c)^T B with decay_after_c the product of the decays of
+  the unit's chunks after c. The state entering unit u is then h_u = decay_{u-1} h_{u-1} +
+  sums_{u-1}, from h_0 = h0 (or zero). Sums are needed for every walk when K > 1, for the
+  split walks 0 .. M - 1 only when K = 1.
+* kind "gradients" (state gradients; their schedules have parts of one unit and no split
+  walks): for units 1 .. U - 1, the gradient of the state entering the unit from the unit's
+  own outputs, sum over c of (dY from_start decay_before_c)^T C. The gradient of the state
+  leaving unit u is then G_u = sums_{u+1} + decay_{u+1} G_{u+1}, from G_{U-1} = the final
+  state's cotangent (or zero).
 
 Either sum is one matmul accumulation per program (the only dependence between chunks is the
-running scalar product of decays); its floor is one read of x (or dY) for the split walks, and
-on an H200 it takes about 1.7x that (benchmarks/NOTES.md), which is why walks are split only
-where the GPU would otherwise idle: when they are few, or in the last round of many.
+running scalar product of decays); its floor is one read of x (or dY) for the summed units, and
+on an H200 it takes about 1.7x that (benchmarks/NOTES.md), which is why walks are cut only where
+the GPU would otherwise idle (`common.forward_schedule` weighs the two).
 """
 
 import functools
@@ -36,44 +44,58 @@ from pallas_kernels import _compat
 from pallas_kernels.mamba2 import common
 
 
-def num_programs(static, walks):
-    """Programs of a scan kernel over `walks` walks (see the module docstring)."""
-    return static.whole_walks + (walks - static.whole_walks) * static.num_segments
+def num_programs(static):
+    """Programs of a scan kernel (see the module docstring)."""
+    num_units, part_units, split_walks = static.schedule
+    return static.walks * static.schedule.num_parts + split_walks * (part_units - 1)
 
 
 class WalkPart(NamedTuple):
-    """What one scan-kernel program walks: its walk, the walk's index among the split walks (0
-    for a whole walk), its segment of the walk and the walk's last segment (both 0 for a whole
-    walk), and its chunks: `num_chunks` from `first_chunk` (a Python int unless the kernel has
-    both whole and split walks)."""
+    """What one scan-kernel program walks: its walk, and the units `first_unit` up to
+    `end_unit` (exclusive) of it, which are `num_chunks` chunks from `first_chunk`
+    (`num_chunks` a Python int where all programs walk as many)."""
 
     walk: jax.Array
-    split_walk: jax.Array
-    segment: jax.Array
-    last_segment: jax.Array | int
+    first_unit: jax.Array
+    end_unit: jax.Array
     first_chunk: jax.Array
     num_chunks: jax.Array | int
 
 
 def walk_part(program, static):
     """The WalkPart of scan-kernel program `program` (see the module docstring)."""
-    count, length = static.num_segments, static.segment_chunks
-    if static.whole_walks == 0:
-        segment = program % count
-        return WalkPart(program // count, program // count, segment, count - 1,
-                        segment * length, length)
-    # Whole walks have split = 0, so segment 0 and split walk 0.
-    split = jnp.maximum(program - static.whole_walks, 0)
-    is_split = (program >= static.whole_walks).astype(jnp.int32)
-    segment = split % count
+    num_units, part_units, split_walks = static.schedule
+    walks = static.walks
+    later = (static.schedule.num_parts - 1) * walks  # programs walking parts 1 ..
+    whole = static.schedule.num_parts * walks - split_walks  # programs walking whole parts
+    # Flags as int32: Pallas-Triton does not mix booleans into integer arithmetic.
+    is_later = (program < later).astype(jnp.int32)
+    is_split = (program >= whole).astype(jnp.int32)
+    unit = jnp.maximum(program - whole, 0)  # among the split units
+    walk = jnp.where(is_split == 1, unit // part_units,
+                     jnp.where(is_later == 1, program % walks, split_walks + program - later))
+    first_unit = jnp.where(is_split == 1, unit % part_units,
+                           is_later * (program // walks + 1) * part_units)
+    units = (part_units if split_walks == 0 else 1 if whole == 0
+             else part_units - (part_units - 1) * is_split)
     return WalkPart(
-        walk=jnp.where(is_split == 1, static.whole_walks + split // count, program),
-        split_walk=split // count,
-        segment=segment,
-        last_segment=(count - 1) * is_split,
-        first_chunk=segment * length,
-        num_chunks=static.num_chunks - (static.num_chunks - length) * is_split,
+        walk=walk,
+        first_unit=first_unit,
+        end_unit=first_unit + units,
+        first_chunk=first_unit * static.unit_chunks,
+        num_chunks=units * static.unit_chunks,
     )
+
+
+def summed(static, kind):
+    """(walks, units per walk) of the segment sums a scan kernel needs: see the module
+    docstring; (0, 0) where it needs none."""
+    num_units, part_units, split_walks = static.schedule
+    if kind == "gradients":
+        return static.walks, num_units - 1
+    if static.schedule.num_parts > 1:
+        return static.walks, num_units - part_units
+    return split_walks, part_units - 1 if split_walks else 0
 
 
 class WalkIndex:
@@ -125,13 +147,13 @@ def program_index(static, heads, num_p_blocks, heads_per_group):
 def _segment_sums_kernel(tokens_ref, dt_ref, s_ref, operand_ref, *refs, static, kind):
     seq_ref = refs[0] if static.has_seq_idx else None
     sums_ref, decays_ref = refs[-2:]
-    length = static.segment_chunks
-    segment = pl.program_id(0) % (static.num_segments - 1) + (kind == "gradients")
+    length = static.unit_chunks
+    unit = pl.program_id(0) % summed(static, kind)[1] + (kind == "gradients")
 
     def chunk(i, carry):
         acc, decay = carry
-        # States walk their segment backwards (decay to its end), gradients forwards.
-        c = segment * length + (length - 1 - i if kind == "states" else i)
+        # States walk their unit backwards (decay to its end), gradients forwards.
+        c = unit * length + (length - 1 - i if kind == "states" else i)
         tok = common.chunk_tokens(c, static)
         masks = common.chunk_masks(c, s_ref, seq_ref, static)
         if kind == "states":
@@ -151,23 +173,22 @@ def _segment_sums_kernel(tokens_ref, dt_ref, s_ref, operand_ref, *refs, static, 
 
 
 def segment_sums(tokens, dt, s, operand, seq, *, static, kind):
-    """(sums, decays) of S - 1 segments of each split walk (see the module docstring).
+    """(sums, decays) of the units `summed(static, kind)` names (see the module docstring).
 
     tokens (B, Tp, H, Pp) are x for kind "states" and dY for "gradients"; operand (B, Tp, G, Np)
-    is B or C; dt, s (B, H, Tp) float32; seq (B, Tp) or None. With K split walks, returns sums
-    (K, S - 1, P block, Np) float32 and decays (K, S - 1, P block) float32 (each segment's
-    product of chunk decays, repeated over the block), index j holding segment j for "states"
-    and j + 1 for "gradients".
+    is B or C; dt, s (B, H, Tp) float32; seq (B, Tp) or None. For W walks of R summed units
+    each, returns sums (W, R, P block, Np) float32 and decays (W, R, P block) float32 (each
+    unit's product of chunk decays, repeated over the block), index j holding unit j for
+    "states" and j + 1 for "gradients".
     """
     batch, t_pad, heads, p_pad = tokens.shape
     n_pad = operand.shape[-1]
     bp, num_p_blocks = static.block_p, p_pad // static.block_p
     hpg = heads // operand.shape[2]
-    split_walks = batch * heads * num_p_blocks - static.whole_walks
-    per_walk = static.num_segments - 1
+    walks, per_walk = summed(static, kind)
 
-    # Program k sums segment k % per_walk of split walk k // per_walk.
-    index = WalkIndex(lambda k: static.whole_walks + k // per_walk, heads, num_p_blocks, hpg)
+    # Program k sums unit k % per_walk (+ 1 for gradients) of walk k // per_walk.
+    index = WalkIndex(lambda k: k // per_walk, heads, num_p_blocks, hpg)
     in_specs = [
         pl.BlockSpec((None, t_pad, None, bp), index.tokens),
         pl.BlockSpec((None, None, t_pad), index.per_head),
@@ -180,15 +201,15 @@ def segment_sums(tokens, dt, s, operand, seq, *, static, kind):
         args.append(seq)
     return pl.pallas_call(
         functools.partial(_segment_sums_kernel, static=static, kind=kind),
-        grid=(split_walks * per_walk,),
+        grid=(walks * per_walk,),
         in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, bp, n_pad), lambda k: (k // per_walk, k % per_walk, 0, 0)),
             pl.BlockSpec((None, None, bp), lambda k: (k // per_walk, k % per_walk, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((split_walks, per_walk, bp, n_pad), jnp.float32),
-            jax.ShapeDtypeStruct((split_walks, per_walk, bp), jnp.float32),
+            jax.ShapeDtypeStruct((walks, per_walk, bp, n_pad), jnp.float32),
+            jax.ShapeDtypeStruct((walks, per_walk, bp), jnp.float32),
         ],
         compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
         interpret=static.interpret,
@@ -196,15 +217,16 @@ def segment_sums(tokens, dt, s, operand, seq, *, static, kind):
     )(*args)
 
 
-def specs(static, n_pad):
+def specs(static, n_pad, kind):
     """BlockSpecs of (sums, decays) as inputs of a scan kernel (one-axis grid of programs): each
-    program sees its split walk's (a whole walk's: the first split walk's, unused)."""
-    per_walk, bp = static.num_segments - 1, static.block_p
+    program sees its walk's (a walk without sums: walk 0's, unused)."""
+    walks, per_walk = summed(static, kind)
+    bp = static.block_p
 
-    def split_walk(k):
-        return walk_part(k, static).split_walk
+    def summed_walk(k):
+        return jnp.minimum(walk_part(k, static).walk, walks - 1)
 
     return [
-        pl.BlockSpec((None, per_walk, bp, n_pad), lambda k: (split_walk(k), 0, 0, 0)),
-        pl.BlockSpec((None, per_walk, bp), lambda k: (split_walk(k), 0, 0)),
+        pl.BlockSpec((None, per_walk, bp, n_pad), lambda k: (summed_walk(k), 0, 0, 0)),
+        pl.BlockSpec((None, per_walk, bp), lambda k: (summed_walk(k), 0, 0)),
     ]

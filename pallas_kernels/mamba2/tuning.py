@@ -22,14 +22,17 @@ class SSDBlocks:
     forward_num_stages: int | None = None  # the forward scan (None: num_stages)
     terms_num_warps: int | None = None  # the dB/dC state-term kernel (None: num_warps)
     terms_num_stages: int | None = None  # the same (None: num_stages)
-    # With fewer than `segment_walks_below` (batch row, head, head-dim block) walks, the forward
-    # scan splits sequences into segments, up to `scan_programs` programs and at least
-    # `min_segment_chunks` chunks a segment; the backward's walks (state recompute, state
-    # gradients) likewise below `backward_segment_walks_below` walks. With more, the forward
-    # splits the walks of its last, partial round: `programs_per_sm` forward programs run at once
-    # on each multiprocessor (common.Static.from_blocks).
+    # The forward scan cuts its walks (batch row, head, head-dim block) into programs by the
+    # cheapest cut (common.forward_schedule): `programs_per_sm` of its programs run at once on
+    # each multiprocessor; a segment sum's chunk step costs `sum_step_cost` of a walk's, a round
+    # of programs `round_cost` walk steps. The backward's walks (state recompute, state
+    # gradients) are cut below `backward_segment_walks_below` walks, into up to `scan_programs`
+    # programs. Cuts are at least `min_segment_chunks` chunks long. The two costs are from an
+    # H200 (N 64: a sum's chunk step ~0.95 us per program against a walk's ~2.3; a round's
+    # program start and first loads about two steps) and kept for every family.
     programs_per_sm: int = 1
-    segment_walks_below: int = 320
+    sum_step_cost: float = 0.4
+    round_cost: float = 2.0
     backward_segment_walks_below: int = 320
     scan_programs: int = 1280
     min_segment_chunks: int = 8
