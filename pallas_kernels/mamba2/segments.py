@@ -46,7 +46,7 @@ from pallas_kernels.mamba2 import common
 
 def num_programs(static):
     """Programs of a scan kernel (see the module docstring)."""
-    num_units, part_units, split_walks = static.schedule
+    _, part_units, split_walks = static.schedule
     return static.walks * static.schedule.num_parts + split_walks * (part_units - 1)
 
 
@@ -64,7 +64,7 @@ class WalkPart(NamedTuple):
 
 def walk_part(program, static):
     """The WalkPart of scan-kernel program `program` (see the module docstring)."""
-    num_units, part_units, split_walks = static.schedule
+    _, part_units, split_walks = static.schedule
     walks = static.walks
     later = (static.schedule.num_parts - 1) * walks  # programs walking parts 1 ..
     whole = static.schedule.num_parts * walks - split_walks  # programs walking whole parts
