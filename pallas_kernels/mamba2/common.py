@@ -25,8 +25,11 @@ class Schedule(NamedTuple):
         return self.num_units // self.part_units
 
 
-def _ceil_div(a, b):
-    return -(-a // b)
+def unit_counts(num_chunks, min_chunks):
+    """The numbers of equal units a walk of `num_chunks` chunks can be cut into: 1, and the
+    divisors that leave units of at least `min_chunks` chunks."""
+    return [u for u in range(1, num_chunks + 1)
+            if num_chunks % u == 0 and (u == 1 or num_chunks // u >= min_chunks)]
 
 
 def forward_schedule(walks, num_chunks, at_once, blocks):
@@ -38,10 +41,8 @@ def forward_schedule(walks, num_chunks, at_once, blocks):
     round of either kernel. Units are at least `blocks.min_segment_chunks` chunks long.
     """
     best = None
-    for num_units in range(1, num_chunks + 1):
+    for num_units in unit_counts(num_chunks, blocks.min_segment_chunks):
         unit_chunks = num_chunks // num_units
-        if num_chunks % num_units or (num_units > 1 and unit_chunks < blocks.min_segment_chunks):
-            continue
         for part_units in (u for u in range(1, num_units + 1) if num_units % u == 0):
             num_parts = num_units // part_units
             full_rounds, rest = divmod(walks * num_parts, at_once)
@@ -49,11 +50,11 @@ def forward_schedule(walks, num_chunks, at_once, blocks):
             if part_units > 1 and not 0 < rest <= walks:
                 continue  # nothing to split (the same as part_units 1), or more than first parts
             whole_rounds = full_rounds + (rest > 0 and split_walks == 0)
-            split_rounds = _ceil_div(split_walks * part_units, at_once)
+            split_rounds = pl.cdiv(split_walks * part_units, at_once)
             steps = (whole_rounds * part_units + split_rounds) * unit_chunks
             summed = (walks * (num_units - part_units) if num_parts > 1
                       else split_walks * (part_units - 1))
-            sum_rounds = _ceil_div(summed, at_once)
+            sum_rounds = pl.cdiv(summed, at_once)
             cost = (steps + sum_rounds * unit_chunks * blocks.sum_step_cost
                     + (whole_rounds + split_rounds + sum_rounds) * blocks.round_cost)
             if best is None or cost < best[0]:
@@ -107,9 +108,8 @@ class Static:
         backward_num_units = 1
         if walks < blocks.backward_segment_walks_below:
             backward_num_units = max((
-                s for s in range(1, num_chunks + 1)
-                if num_chunks % s == 0 and num_chunks // s >= blocks.min_segment_chunks
-                and s * walks <= blocks.scan_programs
+                s for s in unit_counts(num_chunks, blocks.min_segment_chunks)
+                if s * walks <= blocks.scan_programs
             ), default=1)
         return cls(
             block_t=block_t,
