@@ -8,7 +8,7 @@ command line that the benchmarks have in common. Timing itself is in _timing.py.
 
 A record is one flat dict per measurement: the shape's fields, label, impl, mode, status ("ok",
 "error" or "skipped"), then either error or the result fields and the timing fields (ms, ms_min,
-ms_max, ms_amortised, iters).
+ms_max, ms_amortised, ms_device, iters; ms_device None where it could not be measured).
 """
 
 import dataclasses
@@ -94,7 +94,8 @@ def measured_record(record, measure, *, uses_torch):
     return {
         **record, **result, "status": "ok",
         "ms": timing.median_ms, "ms_min": timing.min_ms, "ms_max": timing.max_ms,
-        "ms_amortised": timing.amortised_ms, "iters": timing.iters,
+        "ms_amortised": timing.amortised_ms, "ms_device": timing.device_ms,
+        "iters": timing.iters,
     }
 
 
@@ -171,7 +172,7 @@ def metric_value(record, field):
     """The record's `field` (e.g. "ms" or "tflops") if it was measured, else None."""
     if record is None or record["status"] != "ok":
         return None
-    return record[field]
+    return record.get(field)  # records from before ms_device lack it
 
 
 def cell_text(record, field):
@@ -180,8 +181,11 @@ def cell_text(record, field):
         return "-"
     if record["status"] != "ok":
         return "skip" if record["status"] == "skipped" else "err"
+    value = metric_value(record, field)
+    if value is None:
+        return "n/a"
     flag = "!" if record.get("fwd_rel_err", 0.0) > REL_ERR_TOLERANCE else ""
-    return f"{metric_value(record, field):.3g}{flag}"
+    return f"{value:.3g}{flag}"
 
 
 def mode_cells(by_key, label, impl, field):
@@ -201,7 +205,7 @@ def plot_panels(records, labels, impls, field, mode_titles):
 
 
 def metric_text(metric):
-    """"per-call" or "amortised", for legends and axis labels."""
+    """"per-call", "amortised" or "device", for legends and axis labels."""
     return metric.replace("_", "-")
 
 
@@ -226,8 +230,9 @@ def add_timing_arguments(parser, *, warmup_help):
     """--iters, --warmup and --metric."""
     parser.add_argument("--iters", type=int, default=30, help="timed calls per measurement")
     parser.add_argument("--warmup", type=int, default=3, help=warmup_help)
-    parser.add_argument("--metric", choices=["per_call", "amortised"], default="per_call",
-                        help="timing shown in the table and plot (the JSON has both)")
+    parser.add_argument("--metric", choices=["per_call", "amortised", "device"],
+                        default="per_call",
+                        help="timing shown in the table and plot (the JSON has all three)")
 
 
 def add_output_arguments(parser, name):

@@ -1,11 +1,19 @@
 """Timing, environment, table and plot helpers shared by the benchmarks in this folder.
 
-Two timings of each benchmarked function:
+Three timings of each benchmarked function:
   per call   the median of `iters` single calls. JAX: wall clock around the call and
              `jax.block_until_ready` (host dispatch and the sync included). torch: CUDA events
-             around the call (device time only).
+             around the call (the device's time from the first launch to the last kernel's end,
+             so where Python launches the kernels slower than they run, the idle gaps too).
   amortised  wall clock of `iters` back-to-back calls with one sync at the end, divided by
              `iters` (the same method for both frameworks; dispatch overlaps the device work).
+  device     the device's time per call without the host's launch costs. JAX: the amortised
+             time (one dispatch runs the whole compiled step, so the device stays busy). torch:
+             a CUDA graph of the function, replayed in batches of `iters` between CUDA events
+             (the median batch; None where capture fails). A peer whose Python launches many small
+             kernels (mamba_ssm's backward) reads slower per call and amortised than its
+             kernels run; in a training step that is GPU-bound the launches overlap earlier
+             work, so this is the time to compare kernels by.
 """
 
 import dataclasses
@@ -27,21 +35,24 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """Milliseconds of one benchmarked function: per-call median (and spread) and amortised."""
+    """Milliseconds of one benchmarked function: per-call median (and spread), amortised and
+    device time (see the module docstring; None where it could not be measured)."""
 
     median_ms: float
     min_ms: float
     max_ms: float
     amortised_ms: float
+    device_ms: float | None
     iters: int
 
 
-def _timing(per_call_s, amortised_s, iters):
+def _timing(per_call_s, amortised_s, iters, device_s):
     return Timing(
         median_ms=1e3 * statistics.median(per_call_s),
         min_ms=1e3 * min(per_call_s),
         max_ms=1e3 * max(per_call_s),
         amortised_ms=1e3 * amortised_s / iters,
+        device_ms=None if device_s is None else 1e3 * device_s,
         iters=iters,
     )
 
@@ -59,7 +70,8 @@ def time_jax(fn, args, *, iters, warmup):
     for _ in range(iters):
         out = fn(*args)
     jax.block_until_ready(out)
-    return _timing(per_call, time.perf_counter() - start, iters)
+    amortised = time.perf_counter() - start
+    return _timing(per_call, amortised, iters, device_s=amortised / iters)
 
 
 def amortised_seconds(fn, *args, calls=10, repeats=7):
@@ -97,7 +109,41 @@ def time_torch(fn, *, iters, warmup):
     for _ in range(iters):
         fn()
     torch.cuda.synchronize()
-    return _timing(per_call, time.perf_counter() - start, iters)
+    amortised = time.perf_counter() - start
+    return _timing(per_call, amortised, iters, device_s=_torch_graph_seconds(fn, iters=iters))
+
+
+def _torch_graph_seconds(fn, *, iters, repeats=7):
+    """Seconds per replay of `fn()` captured in a CUDA graph: the median over `repeats` batches
+    of `iters` back-to-back replays between CUDA events. None where capture fails (a function
+    that syncs with the host). `fn` must have run before (autotuning, lazy initialisation)."""
+    import torch
+
+    side = torch.cuda.Stream()  # capture wants warm-up calls on a side stream first
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(1e-3 * start.elapsed_time(end) / iters)
+    del graph
+    return statistics.median(samples)
 
 
 def tflops(flops, ms):

@@ -55,7 +55,8 @@ QUICK_SHAPE = dict(batch=2, seq_len=256, heads=2, head_dim=64)
 FWDBWD_FLOP_FACTOR = 3.5
 REFERENCE_ROWS = 256
 # The record field that --metric shows in the tables and plot.
-METRIC_FIELDS = {"per_call": "tflops", "amortised": "tflops_amortised"}
+METRIC_FIELDS = {"per_call": "tflops", "amortised": "tflops_amortised",
+                 "device": "tflops_device"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +274,8 @@ def run_one(impl, shape, mode, inputs, reference, opts):
     if record["status"] == "ok":
         record["tflops"] = _timing.tflops(record["flops"], record["ms"])
         record["tflops_amortised"] = _timing.tflops(record["flops"], record["ms_amortised"])
+        if record["ms_device"] is not None:
+            record["tflops_device"] = _timing.tflops(record["flops"], record["ms_device"])
     return record
 
 

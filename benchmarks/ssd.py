@@ -33,7 +33,9 @@ same values bit for bit.
 Each (shape, implementation, mode) is measured on its own; a failure (unsupported shape, OOM,
 missing package) is recorded as an error and the sweep goes on. Forward outputs are checked
 against the jnp reference run in float32 on upcast inputs for batch row 0 (max |y - ref| /
-max |ref|). See _timing.py for the two timing methods; the per-call median is the primary number.
+max |ref|). See _timing.py for the three timing methods; compare implementations by
+`--metric device` (mamba_ssm launches its kernels from Python, at some shapes slower than they
+run: benchmarks/NOTES.md, twelfth round).
 JAX functions are compiled ahead of time, so the compile time and XLA's temp buffer size
 (memory_analysis) are recorded too. mamba_ssm's Triton autotuning runs in its warm-up calls.
 
@@ -73,7 +75,7 @@ IMPLS = ("ours", "jnp_ref", "mamba_ssm")
 DT_RANGE = (0.001, 0.1)
 A_MAGNITUDE_RANGE = (1.0, 16.0)
 # The record field that --metric shows in the tables and plot.
-METRIC_FIELDS = {"per_call": "ms", "amortised": "ms_amortised"}
+METRIC_FIELDS = {"per_call": "ms", "amortised": "ms_amortised", "device": "ms_device"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,8 +238,13 @@ def progress_line(index, total, record):
     """The line printed after a measurement: ms, XLA temp memory and the checks."""
     return _harness.format_progress(
         index, total, record, label_width=22, impl_width=9, show_temp=True,
-        timing_text=lambda r: f"{r['ms']:9.3f} ms (amortised {r['ms_amortised']:9.3f})",
+        timing_text=lambda r: (f"{r['ms']:9.3f} ms (amortised {r['ms_amortised']:9.3f}, "
+                               f"device {_device_text(r['ms_device'])})"),
     )
+
+
+def _device_text(ms):
+    return "n/a" if ms is None else f"{ms:.3f}"
 
 
 # --- Reports. ---
