@@ -8,7 +8,8 @@ for every (block_p, num_warps, num_stages) in SCAN_CANDIDATES and the chunk-grad
 the dB/dC state-term kernel after it) for every (heads_per_program, grad_num_warps, num_stages)
 in GRAD_CANDIDATES; the fastest of each, combined with the table's other fields, are then timed
 through `mamba_chunk_scan_combined` (forward and forward+backward).
-Times are medians of back-to-back calls, synced once per batch of calls (amortised).
+Times are per call of 20 calls chained in one jitted function (`_timing.chained_seconds`:
+device time, also for kernels shorter than a Python dispatch), the median of 5 runs.
 """
 
 import argparse
@@ -31,8 +32,9 @@ GRAD_CANDIDATES = list(itertools.product((8, 16, 40), (4, 8), (1, 2)))  # heads,
 
 
 def time_call(fn, *args):
-    """Median milliseconds per call, amortised over 10 back-to-back calls."""
-    return 1e3 * _timing.amortised_seconds(fn, *args, repeats=5)
+    """Median milliseconds per call of 20 chained calls in one jitted function (device time,
+    also for kernels shorter than a Python dispatch: `_timing.chained_seconds`)."""
+    return 1e3 * _timing.chained_seconds(fn, *args)
 
 
 def static_for(blocks, shape, block_t, interpret=False):
