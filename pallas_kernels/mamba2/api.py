@@ -305,18 +305,24 @@ def _pallas_ssd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_i
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ssd(static, x, dt, dt_bias, A, B, C, D, z, h0, seq):
     """(y, final) of padded inputs; dt (b, Tp, H) raw. See `forward.forward`."""
-    return _ssd_fwd(static, x, dt, dt_bias, A, B, C, D, z, h0, seq)[0]
+    dt_step, s = preprocess.preprocess(dt, dt_bias, A, static=static)
+    y, _, final, _ = forward.forward(x, dt_step, s, B, C, seq, D, z, h0, static=static)
+    return y, final
 
 
 def _ssd_fwd(static, x, dt, dt_bias, A, B, C, D, z, h0, seq):
     dt_step, s = preprocess.preprocess(dt, dt_bias, A, static=static)
-    y, y_pre, final = forward.forward(x, dt_step, s, B, C, seq, D, z, h0, static=static)
-    return (y, final), (x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre)
+    y, y_pre, final, entries = forward.forward(x, dt_step, s, B, C, seq, D, z, h0,
+                                               static=static, save_entries=True)
+    return (y, final), (x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre, entries)
 
 
 def _ssd_bwd(static, residuals, cotangents):
+    x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre, entries = residuals
+    # The state recompute walks the forward's parts from the states it saved entering them, or
+    # (a walk in one part) the backward's own cut; the state gradients walk the backward's cut.
+    recompute_static = static.for_recompute() if entries is not None else static.for_backward()
     static = static.for_backward()
-    x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre = residuals
     dy, dfinal = cotangents
     dz = None
     if z is not None:
@@ -326,8 +332,8 @@ def _ssd_bwd(static, residuals, cotangents):
         dz = dz.astype(z.dtype)
         dy = dy.astype(jnp.float32) * zf * sig
     dy = dy.astype(x.dtype)
-    states, _ = forward.forward(x, dt_step, s, B, C, seq, None, None, h0, static=static,
-                                emit="states")
+    states, _ = forward.forward(x, dt_step, s, B, C, seq, None, None, h0,
+                                static=recompute_static, emit="states", entries=entries)
     dfinal = dfinal.astype(jnp.float32)
     gstates, dh0 = backward.state_gradients(dy, dt_step, s, C, seq, dfinal, static=static)
     dx, ddt_x, dlog_decay, dB, dC = backward.chunk_gradients(

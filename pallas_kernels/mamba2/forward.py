@@ -17,7 +17,9 @@ on 132 SMs that could each run two), and with more walks than run at once, the l
 walks runs alone. So walks can be cut into parts walked in parallel, and the first parts that
 would run in a last, partial round into shorter units (`common.forward_schedule` picks the cut,
 `segments` numbers the programs); each program starts from the state entering its part, built
-from `segments.segment_sums`.
+from `segments.segment_sums`. Where walks are cut in parts, the forward saves that state for
+each later part (one per part), so that the backward's recompute can walk the same parts in
+parallel without the sums.
 """
 
 import functools
@@ -30,22 +32,25 @@ from pallas_kernels import _compat
 from pallas_kernels.mamba2 import common, segments
 
 
-def _forward_kernel(*refs, static, emit):
+def _forward_kernel(*refs, static, emit, save_entries, has_entries):
     refs = list(refs)
     x_ref, dt_ref, s_ref, b_ref, c_ref = (refs.pop(0) for _ in range(5))
     seq_ref = refs.pop(0) if static.has_seq_idx else None
     d_ref = refs.pop(0) if static.has_d and emit == "output" else None
     z_ref = refs.pop(0) if static.has_z and emit == "output" else None
     h0_ref = refs.pop(0) if static.has_initial_states else None
-    has_sums = segments.summed(static, "states")[1] > 0
+    has_sums = not has_entries and segments.summed(static, "states")[1] > 0
     if has_sums:
         unit_states_ref, unit_decays_ref = refs.pop(0), refs.pop(0)
+    entries_ref = refs.pop(0) if has_entries else None
     if emit == "output":
         y_ref = refs.pop(0)
         y_pre_ref = refs.pop(0) if static.has_z else None
     else:
         states_ref = refs.pop(0)
     final_ref = refs.pop(0)
+    if save_entries:
+        entries_ref = refs.pop(0)
     part = segments.walk_part(pl.program_id(0), static)
 
     def chunk(i, state):
@@ -87,6 +92,16 @@ def _forward_kernel(*refs, static, emit):
             return unit_decays_ref[j, 0] * state + unit_states_ref[j]
 
         state = jax.lax.fori_loop(0, part.first_unit, enter, state)
+    if has_entries:  # the state entering this part, as the forward saved it (parts of one unit)
+        saved = entries_ref[jnp.maximum(part.first_unit - 1, 0)]
+        state = jnp.where(part.first_unit > 0, saved, state)
+    if save_entries:
+        part_units = static.schedule.part_units
+
+        @pl.when((part.first_unit > 0) & (part.first_unit % part_units == 0))
+        def _():
+            entries_ref[part.first_unit // part_units - 1] = state
+
     state = jax.lax.fori_loop(0, part.num_chunks, chunk, state)
 
     @pl.when(part.end_unit == static.schedule.num_units)
@@ -94,7 +109,8 @@ def _forward_kernel(*refs, static, emit):
         final_ref[...] = state
 
 
-def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
+def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output", save_entries=False,
+            entries=None):
     """Runs the scan kernel on padded, preprocessed inputs.
 
     x (B, Tp, H, Pp) and z (same, or None); dt, s (B, H, Tp) float32 (dt after softplus/clamp and
@@ -102,10 +118,13 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
     float32 or None; h0 (B, H, Pp, Np) float32 or None. Tp is a multiple of the chunk
     `static.block_t`, Pp and Np powers of two.
 
-    emit="output": returns (y, y_pre, final) with y (B, Tp, H, Pp) in x's dtype, y_pre the output
-    before the z gate (None without z) and final (B, H, Pp, Np) float32. emit="states": returns
-    (states, final), states (B, num_chunks, H, Pp, Np) in x's dtype (carried in float32), the
-    state entering each chunk.
+    emit="output": returns (y, y_pre, final, entries) with y (B, Tp, H, Pp) in x's dtype, y_pre
+    the output before the z gate (None without z), final (B, H, Pp, Np) float32 and entries the
+    state entering each of parts 1 .. K - 1 of every walk, (W, K - 1, P block, Np) float32
+    (`segments.entries_spec`), where `save_entries` and the walks are cut in K > 1 parts, else
+    None. emit="states": returns (states, final), states (B, num_chunks, H, Pp, Np) in x's dtype
+    (carried in float32), the state entering each chunk; given `entries` from the forward, the
+    walks start their parts from them (`static` then from `common.Static.for_recompute`).
     """
     batch, t_pad, heads, p_pad = x.shape
     n_pad = b.shape[-1]
@@ -131,14 +150,22 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
     if static.has_initial_states:
         in_specs.append(state_spec)
         args.append(h0)
-    if segments.summed(static, "states")[1] > 0:
+    if entries is not None:
+        in_specs.append(segments.entries_spec(static, n_pad))
+        args.append(entries)
+    elif segments.summed(static, "states")[1] > 0:
         in_specs += segments.specs(static, n_pad, "states")
         args += segments.segment_sums(x, dt, s, b, seq, static=static, kind="states")
+    save_entries = save_entries and emit == "output" and static.schedule.num_parts > 1
     final_shape = jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32)
     if emit == "output":
         y_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
         out_specs = [tokens] + ([tokens] if static.has_z else []) + [state_spec]
         out_shape = [y_shape] + ([y_shape] if static.has_z else []) + [final_shape]
+        if save_entries:
+            out_specs.append(segments.entries_spec(static, n_pad))
+            out_shape.append(jax.ShapeDtypeStruct(
+                (static.walks, static.schedule.num_parts - 1, bp, n_pad), jnp.float32))
     else:
         nc = static.num_chunks
         out_specs = [pl.BlockSpec((None, nc, None, bp, n_pad), index.chunk_states), state_spec]
@@ -146,7 +173,8 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
             jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), x.dtype), final_shape
         ]
     outs = pl.pallas_call(
-        functools.partial(_forward_kernel, static=static, emit=emit),
+        functools.partial(_forward_kernel, static=static, emit=emit, save_entries=save_entries,
+                          has_entries=entries is not None),
         grid=(segments.num_programs(static),),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -158,6 +186,9 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output"):
         interpret=static.interpret,
         name=f"ssd_forward_{emit}",
     )(*args)
-    if emit == "output" and not static.has_z:
-        return outs[0], None, outs[1]
-    return tuple(outs)
+    if emit == "states":
+        return tuple(outs)
+    y, *rest = outs
+    y_pre = rest.pop(0) if static.has_z else None
+    final = rest.pop(0)
+    return y, y_pre, final, rest.pop(0) if save_entries else None
