@@ -14,6 +14,7 @@ device time, also for kernels shorter than a Python dispatch), the median of 5 r
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 from unittest import mock
@@ -68,10 +69,17 @@ def time_parts(shape, block_t, blocks, operands, interpret):
     try:
         parts["forward"] = time_call(run(lambda *a: forward.forward(
             *a, None, d, None, None, static=static)), x, dt_step, s, B, C)
-        states_fn = run(lambda *a: forward.forward(
-            *a, None, None, None, None, static=backward_static, emit="states")[0])
-        parts["states"] = time_call(states_fn, x, dt_step, s, B, C)
-        states = states_fn(x, dt_step, s, B, C)
+        # The state recompute as the backward runs it: the forward's parts from the states it
+        # saved entering them where it cut its walks, else the backward's own cut.
+        entries = run(lambda *a: forward.forward(
+            *a, None, d, None, None, static=static, save_entries=True)[3])(x, dt_step, s, B, C)
+        recompute_static = backward_static if entries is None else static.for_recompute()
+        states_fn = run(lambda *a, entries: forward.forward(
+            *a, None, None, None, None, static=recompute_static, emit="states",
+            entries=entries)[0])
+        parts["states"] = time_call(functools.partial(states_fn, entries=entries),
+                                    x, dt_step, s, B, C)
+        states = states_fn(x, dt_step, s, B, C, entries=entries)
         parts["state_gradients"] = time_call(run(lambda *a: backward.state_gradients(
             *a, static=backward_static)[0]), dy, dt_step, s, C, None, None)
         parts["chunk_gradients"] = time_call(run(lambda *a: backward.chunk_gradients(
