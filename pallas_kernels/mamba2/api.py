@@ -305,15 +305,19 @@ def _pallas_ssd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_i
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ssd(static, x, dt, dt_bias, A, B, C, D, z, h0, seq):
     """(y, final) of padded inputs; dt (b, Tp, H) raw. See `forward.forward`."""
-    dt_step, s = preprocess.preprocess(dt, dt_bias, A, static=static)
-    y, _, final, _ = forward.forward(x, dt_step, s, B, C, seq, D, z, h0, static=static)
-    return y, final
+    return _forward(static, x, dt, dt_bias, A, B, C, D, z, h0, seq, save_entries=False)[0]
 
 
 def _ssd_fwd(static, x, dt, dt_bias, A, B, C, D, z, h0, seq):
+    return _forward(static, x, dt, dt_bias, A, B, C, D, z, h0, seq, save_entries=True)
+
+
+def _forward(static, x, dt, dt_bias, A, B, C, D, z, h0, seq, *, save_entries):
+    """((y, final), residuals); the forward saves the states entering its parts for the
+    backward only when it is differentiated (`save_entries`)."""
     dt_step, s = preprocess.preprocess(dt, dt_bias, A, static=static)
     y, y_pre, final, entries = forward.forward(x, dt_step, s, B, C, seq, D, z, h0,
-                                               static=static, save_entries=True)
+                                               static=static, save_entries=save_entries)
     return (y, final), (x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre, entries)
 
 
