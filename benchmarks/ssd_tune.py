@@ -69,11 +69,11 @@ def time_parts(shape, block_t, blocks, operands, interpret):
     try:
         parts["forward"] = time_call(run(lambda *a: forward.forward(
             *a, None, d, None, None, static=static)), x, dt_step, s, B, C)
-        # The state recompute as the backward runs it: the forward's parts from the states it
-        # saved entering them where it cut its walks, else the backward's own cut.
+        # The state recompute as the backward runs it: the forward's programs from the states
+        # they started from where it cut its walks, else the backward's own cut.
         entries = run(lambda *a: forward.forward(
             *a, None, d, None, None, static=static, save_entries=True)[3])(x, dt_step, s, B, C)
-        recompute_static = backward_static if entries is None else static.for_recompute()
+        recompute_static = backward_static if entries is None else static
         states_fn = run(lambda *a, entries: forward.forward(
             *a, None, None, None, None, static=recompute_static, emit="states",
             entries=entries)[0])

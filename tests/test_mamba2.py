@@ -65,9 +65,11 @@ def _static(**fields):
 
 # Cuts of the scan kernels' walks (common.Schedule) on 8 walks (2 rows x 4 heads) of 150 tokens
 # = 10 chunks of 16: (id, forward schedule, backward's walks cut into 5 units too). Where the
-# forward walks parts, the backward's state recompute walks the same parts from the states the
-# forward saved entering them; otherwise it walks the backward's cut, from segment sums.
+# forward cuts its walks, the backward's state recompute runs the forward's programs from the
+# states they started from; otherwise it walks the backward's cut, from segment sums.
 SCHEDULES = [
+    # The forward's walks uncut, the backward's in 5 parts.
+    ("backward-only", common.Schedule(1, 1, 0), True),
     # Every walk in 5 parts of 2 chunks (few walks), the backward's as well.
     ("five-parts", common.Schedule(5, 1, 0), True),
     # Halves of 5 chunks; the backward's walks uncut.
@@ -119,12 +121,12 @@ def test_cut_walks_match_recurrence(case, seq_idx, monkeypatch):
     kw = dict(chunk_size=16, dt_softplus=True)
     (y, final), grads = loss_and_grads(pallas, args, **kw)
     (y_ref, final_ref), grads_ref = loss_and_grads(reference.ssd_recurrence, args, **kw)
-    # The forward, then the backward's state recompute (from sums only where the forward walked
-    # one part) and state gradients.
+    # The forward, then the backward's state recompute (from sums only where the forward did not
+    # cut its walks) and state gradients.
     backward = common.Schedule(5, 1, 0)
-    recompute_sums = backward_split and schedule.num_parts == 1
-    assert calls == [("states", schedule)] + (
-        [("states", backward)] if recompute_sums else []) + (
+    forward_cut = schedule != common.Schedule(1, 1, 0)
+    assert calls == ([("states", schedule)] if forward_cut else []) + (
+        [("states", backward)] if backward_split and not forward_cut else []) + (
         [("gradients", backward)] if backward_split else [])
     assert rel_error(y, y_ref) < 2e-5
     assert rel_error(final, final_ref) < 2e-5

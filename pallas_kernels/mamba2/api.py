@@ -323,9 +323,9 @@ def _forward(static, x, dt, dt_bias, A, B, C, D, z, h0, seq, *, save_entries):
 
 def _ssd_bwd(static, residuals, cotangents):
     x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre, entries = residuals
-    # The state recompute walks the forward's parts from the states it saved entering them, or
-    # (a walk in one part) the backward's own cut; the state gradients walk the backward's cut.
-    recompute_static = static.for_recompute() if entries is not None else static.for_backward()
+    # The state recompute runs the forward's programs from the states they started from, or
+    # (walks not cut in the forward) the backward's own cut; the state gradients walk the latter.
+    recompute_static = static if entries is not None else static.for_backward()
     static = static.for_backward()
     dy, dfinal = cotangents
     dz = None

@@ -138,12 +138,6 @@ class Static:
         """This Static with the backward walks' schedule (see `from_blocks`)."""
         return dataclasses.replace(self, schedule=Schedule(self.backward_num_units, 1, 0))
 
-    def for_recompute(self):
-        """This Static with the backward's state recompute walking the forward's parts, one
-        program per part, each from the state the forward saved entering it
-        (`forward.forward(save_entries=True)`)."""
-        return dataclasses.replace(self, schedule=Schedule(self.schedule.num_parts, 1, 0))
-
     @property
     def unit_chunks(self):
         """Chunks per unit of the scan kernels' schedule."""

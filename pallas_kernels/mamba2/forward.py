@@ -17,9 +17,9 @@ on 132 SMs that could each run two), and with more walks than run at once, the l
 walks runs alone. So walks can be cut into parts walked in parallel, and the first parts that
 would run in a last, partial round into shorter units (`common.forward_schedule` picks the cut,
 `segments` numbers the programs); each program starts from the state entering its part, built
-from `segments.segment_sums`. Where walks are cut in parts, the forward saves that state for
-each later part (one per part), so that the backward's recompute can walk the same parts in
-parallel without the sums.
+from `segments.segment_sums`. Where walks are cut, the forward saves the state each program
+starts from (one per program), so that the backward's recompute can run the same programs
+again from them, without the sums.
 """
 
 import functools
@@ -38,7 +38,7 @@ def _forward_kernel(*refs, static, emit, save_entries, has_entries):
     seq_ref = refs.pop(0) if static.has_seq_idx else None
     d_ref = refs.pop(0) if static.has_d and emit == "output" else None
     z_ref = refs.pop(0) if static.has_z and emit == "output" else None
-    h0_ref = refs.pop(0) if static.has_initial_states else None
+    h0_ref = refs.pop(0) if static.has_initial_states and not has_entries else None
     has_sums = not has_entries and segments.summed(static, "states")[1] > 0
     if has_sums:
         unit_states_ref, unit_decays_ref = refs.pop(0), refs.pop(0)
@@ -81,26 +81,22 @@ def _forward_kernel(*refs, static, emit, save_entries, has_entries):
         chunk_state = jnp.dot(x_weighted.T, b, preferred_element_type=jnp.float32)  # (P, N)
         return masks.chunk_decay * state + chunk_state
 
-    state = (
-        h0_ref[...].astype(jnp.float32)
-        if h0_ref is not None
-        else jnp.zeros(final_ref.shape, jnp.float32)
-    )
+    if has_entries:  # the state this program started from in the forward
+        state = entries_ref[...]
+    else:
+        state = (
+            h0_ref[...].astype(jnp.float32)
+            if h0_ref is not None
+            else jnp.zeros(final_ref.shape, jnp.float32)
+        )
     if has_sums:
         # The state entering this part: the earlier units' own states passed along.
         def enter(j, state):
             return unit_decays_ref[j, 0] * state + unit_states_ref[j]
 
         state = jax.lax.fori_loop(0, part.first_unit, enter, state)
-    if has_entries:  # the state entering this part, as the forward saved it (parts of one unit)
-        saved = entries_ref[jnp.maximum(part.first_unit - 1, 0)]
-        state = jnp.where(part.first_unit > 0, saved, state)
     if save_entries:
-        part_units = static.schedule.part_units
-
-        @pl.when((part.first_unit > 0) & (part.first_unit % part_units == 0))
-        def _():
-            entries_ref[part.first_unit // part_units - 1] = state
+        entries_ref[...] = state
 
     state = jax.lax.fori_loop(0, part.num_chunks, chunk, state)
 
@@ -120,11 +116,11 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output", save_entrie
 
     emit="output": returns (y, y_pre, final, entries) with y (B, Tp, H, Pp) in x's dtype, y_pre
     the output before the z gate (None without z), final (B, H, Pp, Np) float32 and entries the
-    state entering each of parts 1 .. K - 1 of every walk, (W, K - 1, P block, Np) float32
-    (`segments.entries_spec`), where `save_entries` and the walks are cut in K > 1 parts, else
-    None. emit="states": returns (states, final), states (B, num_chunks, H, Pp, Np) in x's dtype
-    (carried in float32), the state entering each chunk; given `entries` from the forward, the
-    walks start their parts from them (`static` then from `common.Static.for_recompute`).
+    state each program starts from, (programs, P block, Np) float32, where `save_entries` and
+    the walks are cut (more programs than walks), else None. emit="states": returns (states,
+    final), states (B, num_chunks, H, Pp, Np) in x's dtype (carried in float32), the state
+    entering each chunk; given `entries` from the forward (and the forward's `static`), each
+    program starts from the state it started from there, without sums.
     """
     batch, t_pad, heads, p_pad = x.shape
     n_pad = b.shape[-1]
@@ -147,25 +143,26 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output", save_entrie
     if emit == "output" and static.has_z:
         in_specs.append(tokens)
         args.append(z)
-    if static.has_initial_states:
+    entries_spec = pl.BlockSpec((None, bp, n_pad), lambda k: (k, 0, 0))
+    if static.has_initial_states and entries is None:
         in_specs.append(state_spec)
         args.append(h0)
     if entries is not None:
-        in_specs.append(segments.entries_spec(static, n_pad))
+        in_specs.append(entries_spec)
         args.append(entries)
     elif segments.summed(static, "states")[1] > 0:
         in_specs += segments.specs(static, n_pad, "states")
         args += segments.segment_sums(x, dt, s, b, seq, static=static, kind="states")
-    save_entries = save_entries and emit == "output" and static.schedule.num_parts > 1
+    num_programs = segments.num_programs(static)
+    save_entries = save_entries and emit == "output" and num_programs > static.walks
     final_shape = jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32)
     if emit == "output":
         y_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
         out_specs = [tokens] + ([tokens] if static.has_z else []) + [state_spec]
         out_shape = [y_shape] + ([y_shape] if static.has_z else []) + [final_shape]
         if save_entries:
-            out_specs.append(segments.entries_spec(static, n_pad))
-            out_shape.append(jax.ShapeDtypeStruct(
-                (static.walks, static.schedule.num_parts - 1, bp, n_pad), jnp.float32))
+            out_specs.append(entries_spec)
+            out_shape.append(jax.ShapeDtypeStruct((num_programs, bp, n_pad), jnp.float32))
     else:
         nc = static.num_chunks
         out_specs = [pl.BlockSpec((None, nc, None, bp, n_pad), index.chunk_states), state_spec]
@@ -175,7 +172,7 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output", save_entrie
     outs = pl.pallas_call(
         functools.partial(_forward_kernel, static=static, emit=emit, save_entries=save_entries,
                           has_entries=entries is not None),
-        grid=(segments.num_programs(static),),
+        grid=(num_programs,),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,

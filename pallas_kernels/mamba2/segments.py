@@ -11,9 +11,8 @@ walked one unit per program. The scan kernels have a one-axis grid; programs are
 * then the units of part 0 of walks 0 .. M - 1, walk by walk,
 
 so the whole parts fill the first rounds of programs and the short split units the last.
-The backward's state recompute walks the forward's parts again, one program per part
-(`common.Static.for_recompute`), from the states the forward saved entering them
-(`entries_spec`): one state per part, not per chunk.
+The backward's state recompute runs the forward's programs again, each from the state the
+forward saved it started from (`forward.forward(save_entries=True)`).
 
 A program starting inside its walk first needs what the walk's earlier units hand it (later
 units, walking gradients back), built from the sums of this module's kernel:
@@ -234,12 +233,3 @@ def specs(static, n_pad, kind):
         pl.BlockSpec((None, per_walk, bp), lambda k: (summed_walk(k), 0, 0)),
     ]
 
-
-def entries_spec(static, n_pad):
-    """BlockSpec of the states entering parts 1 .. K - 1 of each walk, (W, K - 1, P block, Np)
-    float32 (K = `static.schedule.num_parts`), for a scan kernel's one-axis grid of programs:
-    each program sees its walk's. The forward writes them (the state it builds entering each
-    later part), the backward's state recompute reads them (`common.Static.for_recompute`)."""
-    num_parts = static.schedule.num_parts
-    return pl.BlockSpec((None, num_parts - 1, static.block_p, n_pad),
-                        lambda k: (walk_part(k, static).walk, 0, 0, 0))
