@@ -323,10 +323,6 @@ def _forward(static, x, dt, dt_bias, A, B, C, D, z, h0, seq, *, save_entries):
 
 def _ssd_bwd(static, residuals, cotangents):
     x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre, entries = residuals
-    # The state recompute runs the forward's programs from the states they started from, or
-    # (walks not cut in the forward) the backward's own cut; the state gradients walk the latter.
-    recompute_static = static if entries is not None else static.for_backward()
-    static = static.for_backward()
     dy, dfinal = cotangents
     dz = None
     if z is not None:
@@ -336,10 +332,9 @@ def _ssd_bwd(static, residuals, cotangents):
         dz = dz.astype(z.dtype)
         dy = dy.astype(jnp.float32) * zf * sig
     dy = dy.astype(x.dtype)
-    states, _ = forward.forward(x, dt_step, s, B, C, seq, None, None, h0,
-                                static=recompute_static, emit="states", entries=entries)
-    dfinal = dfinal.astype(jnp.float32)
-    gstates, dh0 = backward.state_gradients(dy, dt_step, s, C, seq, dfinal, static=static)
+    states, gstates, dh0 = backward.states_and_gradients(
+        x, dy, dt_step, s, B, C, seq, h0, dfinal.astype(jnp.float32), entries, static=static)
+    static = static.for_backward()
     dx, ddt_x, dlog_decay, dB, dC = backward.chunk_gradients(
         x, dy, dt_step, s, B, C, seq, D, states, gstates, static=static
     )

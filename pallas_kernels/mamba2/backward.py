@@ -1,10 +1,10 @@
 """SSD backward kernels (Pallas, Triton lowering), deterministic: no atomics.
 
-After the forward kernel recomputes the state entering each chunk (`forward(emit="states")`):
-
-* `state_gradients`: one program per (batch row, head, head-dim block, part: see
-  `segments`) walks the chunks in reverse, G <- dH_local + exp(s_last) G, writing G (the
-  gradient of the state leaving each chunk) and the initial-state gradient.
+* `states_and_gradients`: two independent walks in one launch, the forward kernel recomputing
+  the state entering each chunk (`forward(emit="states")`) and `state_gradients`: one program
+  per (batch row, head, head-dim block, part: see `segments`) walks the chunks in reverse,
+  G <- dH_local + exp(s_last) G, writing G (the gradient of the state leaving each chunk) and
+  the initial-state gradient.
 * `chunk_gradients`: one program per (chunk, block of one group's heads, batch row) loops over
   its heads. It computes C B^T once, writes dx and per-token float32 vectors per head (the dt'
   term of dx and the intra-chunk parts of the gradient of the log decay a = dt' A, as
@@ -32,10 +32,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.mamba2 import common, segments
+from pallas_kernels.mamba2 import common, forward, segments
 
 
-def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final):
+def _state_gradients_kernel(program, dy_ref, s_ref, c_ref, *refs, static, has_final):
     refs = list(refs)
     seq_ref = refs.pop(0) if static.has_seq_idx else None
     dfinal_ref = refs.pop(0) if has_final else None
@@ -43,7 +43,7 @@ def _state_gradients_kernel(dy_ref, s_ref, c_ref, *refs, static, has_final):
     if num_units > 1:
         unit_grads_ref, unit_decays_ref = refs.pop(0), refs.pop(0)
     gstates_ref, dh0_ref = refs
-    part = segments.walk_part(pl.program_id(0), static)
+    part = segments.walk_part(program, static)
 
     def chunk(i, grad):
         c = part.first_chunk + part.num_chunks - 1 - i
@@ -83,6 +83,36 @@ def state_gradients(dy, dt, s, c, seq, dfinal, *, static):
     seq (B, Tp) or None; dfinal (B, H, Pp, Np) float32 or None. Returns gstates
     (B, nc, H, Pp, Np) in dy's dtype and dh0 (B, H, Pp, Np) float32.
     """
+    (outs,) = segments.launch([state_gradients_call(dy, dt, s, c, seq, dfinal, static=static)],
+                              num_warps=static.num_warps, num_stages=static.num_stages,
+                              interpret=static.interpret)
+    return tuple(outs)
+
+
+def states_and_gradients(x, dy, dt, s, b, c, seq, h0, dfinal, entries, *, static):
+    """The backward's two walks in one launch: the states entering each chunk, recomputed
+    (`forward.forward(emit="states")`), and the state gradients (`state_gradients`).
+
+    They are independent, so the programs of one fill what the other leaves idle: at b 2 T 8192
+    the gradient walks are 160 programs of 128 chunks, fewer than the GPU runs at once. The
+    gradient walks launch first, as the longer ones. `entries` are the states the forward's
+    programs started from, or None (the forward did not cut its walks), and `static` the
+    forward's; the gradient walks, and the recompute without entries, take the backward's cut
+    (`static.for_backward()`). Returns (states, gstates, dh0); arguments as in the two.
+    """
+    backward_static = static.for_backward()
+    recompute = forward.scan_call(x, dt, s, b, c, seq, None, None, h0, emit="states",
+                                  static=backward_static if entries is None else static,
+                                  entries=entries)
+    gradients = state_gradients_call(dy, dt, s, c, seq, dfinal, static=backward_static)
+    (gstates, dh0), (states, _) = segments.launch(
+        [gradients, recompute], num_warps=static.num_warps, num_stages=static.num_stages,
+        interpret=static.interpret)
+    return states, gstates, dh0
+
+
+def state_gradients_call(dy, dt, s, c, seq, dfinal, *, static):
+    """The `segments.ScanCall` of `state_gradients` (same arguments)."""
     batch, t_pad, heads, p_pad = dy.shape
     n_pad = c.shape[-1]
     bp, nc, num_p_blocks = static.block_p, static.num_chunks, p_pad // static.block_p
@@ -104,20 +134,18 @@ def state_gradients(dy, dt, s, c, seq, dfinal, *, static):
     if static.schedule.num_units > 1:
         in_specs += segments.specs(static, n_pad, "gradients")
         args += segments.segment_sums(dy, dt, s, c, seq, static=static, kind="gradients")
-    gstates, dh0 = pl.pallas_call(
+    return segments.ScanCall(
         functools.partial(_state_gradients_kernel, static=static, has_final=dfinal is not None),
-        grid=(segments.num_programs(static),),
-        in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, nc, None, bp, n_pad), index.chunk_states), state_spec],
-        out_shape=[
+        segments.num_programs(static),
+        in_specs,
+        args,
+        [pl.BlockSpec((None, nc, None, bp, n_pad), index.chunk_states), state_spec],
+        [
             jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), dy.dtype),
             jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32),
         ],
-        compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
-        interpret=static.interpret,
-        name="ssd_state_gradients",
-    )(*args)
-    return gstates, dh0
+        "ssd_state_gradients",
+    )
 
 
 def _chunk_gradients_kernel(

@@ -28,11 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
 from pallas_kernels.mamba2 import common, segments
 
 
-def _forward_kernel(*refs, static, emit, save_entries, has_entries):
+def _forward_kernel(program, *refs, static, emit, save_entries, has_entries):
     refs = list(refs)
     x_ref, dt_ref, s_ref, b_ref, c_ref = (refs.pop(0) for _ in range(5))
     seq_ref = refs.pop(0) if static.has_seq_idx else None
@@ -51,7 +50,7 @@ def _forward_kernel(*refs, static, emit, save_entries, has_entries):
     final_ref = refs.pop(0)
     if save_entries:
         entries_ref = refs.pop(0)
-    part = segments.walk_part(pl.program_id(0), static)
+    part = segments.walk_part(program, static)
 
     def chunk(i, state):
         c = part.first_chunk + i
@@ -122,6 +121,22 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output", save_entrie
     entering each chunk; given `entries` from the forward (and the forward's `static`), each
     program starts from the state it started from there, without sums.
     """
+    call = scan_call(x, dt, s, b, c, seq, d, z, h0, static=static, emit=emit,
+                     save_entries=save_entries, entries=entries)
+    num_stages = static.forward_num_stages if emit == "output" else static.num_stages
+    (outs,) = segments.launch([call], num_warps=static.num_warps, num_stages=num_stages,
+                              interpret=static.interpret)
+    if emit == "states":
+        return tuple(outs)
+    y = outs.pop(0)
+    y_pre = outs.pop(0) if static.has_z else None
+    final = outs.pop(0)
+    return y, y_pre, final, outs.pop(0) if outs else None
+
+
+def scan_call(x, dt, s, b, c, seq, d, z, h0, *, static, emit, save_entries=False, entries=None):
+    """The `segments.ScanCall` of `forward` (same arguments), to launch alone or beside another
+    scan kernel."""
     batch, t_pad, heads, p_pad = x.shape
     n_pad = b.shape[-1]
     bp, num_p_blocks = static.block_p, p_pad // static.block_p
@@ -169,23 +184,7 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, emit="output", save_entrie
         out_shape = [
             jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), x.dtype), final_shape
         ]
-    outs = pl.pallas_call(
-        functools.partial(_forward_kernel, static=static, emit=emit, save_entries=save_entries,
-                          has_entries=entries is not None),
-        grid=(num_programs,),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_compat.triton_params(
-            static.num_warps,
-            static.forward_num_stages if emit == "output" else static.num_stages,
-        ),
-        interpret=static.interpret,
-        name=f"ssd_forward_{emit}",
-    )(*args)
-    if emit == "states":
-        return tuple(outs)
-    y, *rest = outs
-    y_pre = rest.pop(0) if static.has_z else None
-    final = rest.pop(0)
-    return y, y_pre, final, rest.pop(0) if save_entries else None
+    kernel = functools.partial(_forward_kernel, static=static, emit=emit,
+                               save_entries=save_entries, has_entries=entries is not None)
+    return segments.ScanCall(kernel, num_programs, in_specs, args, out_specs, out_shape,
+                             f"ssd_forward_{emit}")

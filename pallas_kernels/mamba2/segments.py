@@ -36,6 +36,8 @@ the GPU would otherwise idle (`common.forward_schedule` weighs the two).
 """
 
 import functools
+import itertools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -139,6 +141,68 @@ class WalkIndex:
     def chunk_states(self, program):  # (B, nc, H, Pp, Np): states per chunk, their gradients
         i, h, j = self.blocks(program)
         return i, 0, h, j, 0
+
+
+class ScanCall(NamedTuple):
+    """One scan kernel's programs, to launch alone or beside another kernel's (`launch`):
+    `kernel(program, *input_refs, *output_refs)` runs program 0 .. `num_programs` - 1; the
+    BlockSpecs' index maps take the same program numbers."""
+
+    kernel: Callable
+    num_programs: int
+    in_specs: list
+    inputs: list
+    out_specs: list
+    out_shape: list
+    name: str
+
+
+def launch(calls, *, num_warps, num_stages, interpret):
+    """Runs the ScanCalls' programs in one pallas_call on a one-axis grid, `calls[0]`'s first,
+    then `calls[1]`'s, and so on; returns each call's list of outputs.
+
+    Independent walks launched together share the GPU: the programs of one fill the
+    multiprocessors the other's leave idle (its last round, or too few walks to fill one).
+    """
+    starts = list(itertools.accumulate((c.num_programs for c in calls), initial=0))
+
+    def shifted(spec, start, count):
+        if len(calls) == 1:
+            return spec
+        return pl.BlockSpec(spec.block_shape,
+                            lambda k: spec.index_map(jnp.clip(k - start, 0, count - 1)))
+
+    in_specs, inputs, out_specs, out_shape = [], [], [], []
+    for call, start in zip(calls, starts[:-1], strict=True):
+        in_specs += [shifted(spec, start, call.num_programs) for spec in call.in_specs]
+        out_specs += [shifted(spec, start, call.num_programs) for spec in call.out_specs]
+        inputs += call.inputs
+        out_shape += call.out_shape
+
+    def kernel(*refs):
+        program = pl.program_id(0)
+        ins, outs = list(refs[:len(inputs)]), list(refs[len(inputs):])
+        for call, start, end in zip(calls, starts[:-1], starts[1:], strict=True):
+            call_refs = ([ins.pop(0) for _ in call.in_specs]
+                         + [outs.pop(0) for _ in call.out_specs])
+            run = functools.partial(call.kernel, program - start, *call_refs)
+            if len(calls) == 1:
+                run()
+            else:
+                pl.when((program >= start) & (program < end))(run)
+
+    flat = pl.pallas_call(
+        kernel,
+        grid=(starts[-1],),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compat.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="_".join(c.name for c in calls),
+    )(*inputs)
+    ends = list(itertools.accumulate(len(c.out_shape) for c in calls))
+    return [list(flat[end - len(c.out_shape):end]) for c, end in zip(calls, ends, strict=True)]
 
 
 def program_index(static, heads, num_p_blocks, heads_per_group):
