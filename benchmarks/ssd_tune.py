@@ -3,8 +3,10 @@
     python -m benchmarks.ssd_tune --states 64,128 --groups 1 --out "$OUT/ssd_tune.json"
 
 Inputs as in benchmarks/ssd.py (16k tokens, H 80, P 64, bf16, dt' in mamba's range). For each
-chunk tile `block_t`, the scan-family kernels (forward, state recompute, state gradients) are timed
-for every (block_p, num_warps, num_stages) in SCAN_CANDIDATES and the chunk-gradient kernel (with
+chunk tile `block_t`, the scan-family kernels (forward, state recompute, state gradients, each
+alone and the last two launched together as the backward runs them) are timed for every
+(block_p, num_warps, num_stages) in SCAN_CANDIDATES (ranked by the forward plus the backward's
+launch of the two walks) and the chunk-gradient kernel (with
 the dB/dC state-term kernel after it) for every (heads_per_program, grad_num_warps, num_stages)
 in GRAD_CANDIDATES; the fastest of each, combined with the table's other fields, are then timed
 through `mamba_chunk_scan_combined` (forward and forward+backward).
@@ -82,6 +84,11 @@ def time_parts(shape, block_t, blocks, operands, interpret):
         states = states_fn(x, dt_step, s, B, C, entries=entries)
         parts["state_gradients"] = time_call(run(lambda *a: backward.state_gradients(
             *a, static=backward_static)[0]), dy, dt_step, s, C, None, None)
+        # The two walks as the backward launches them, together.
+        walks_fn = run(lambda *a, entries: backward.states_and_gradients(
+            *a, None, None, None, entries, static=static)[:2])
+        parts["backward_walks"] = time_call(functools.partial(walks_fn, entries=entries),
+                                            x, dy, dt_step, s, B, C)
         parts["chunk_gradients"] = time_call(run(lambda *a: backward.chunk_gradients(
             *a, static=backward_static)), x, dy, dt_step, s, B, C, None, d, states, states)
     except Exception as error:  # noqa: BLE001 - a tile that fails to compile is a result
@@ -132,7 +139,7 @@ def tune_shape(shape, log, quick=False, block_ts=BLOCK_TS):
             rows.append(row)
             log(row)
             if "error" not in parts:
-                total = parts["forward"] + parts["states"] + parts["state_gradients"]
+                total = parts["forward"] + parts["backward_walks"]
                 if scan_best is None or total < scan_best[0]:
                     scan_best = (total, row)
         for heads, warps, stages in grad_candidates:
