@@ -313,7 +313,7 @@ def _ssd_fwd(static, x, dt, dt_bias, A, B, C, D, z, h0, seq):
 
 
 def _forward(static, x, dt, dt_bias, A, B, C, D, z, h0, seq, *, save_entries):
-    """((y, final), residuals); the forward saves the states entering its parts for the
+    """((y, final), residuals); the forward saves the states its programs start from for the
     backward only when it is differentiated (`save_entries`)."""
     dt_step, s = preprocess.preprocess(dt, dt_bias, A, static=static)
     y, y_pre, final, entries = forward.forward(x, dt_step, s, B, C, seq, D, z, h0,
