@@ -82,12 +82,10 @@ def _forward_kernel(program, *refs, static, emit, save_entries, has_entries):
 
     if has_entries:  # the state this program started from in the forward
         state = entries_ref[...]
+    elif h0_ref is not None:
+        state = h0_ref[...].astype(jnp.float32)
     else:
-        state = (
-            h0_ref[...].astype(jnp.float32)
-            if h0_ref is not None
-            else jnp.zeros(final_ref.shape, jnp.float32)
-        )
+        state = jnp.zeros(final_ref.shape, jnp.float32)
     if has_sums:
         # The state entering this part: the earlier units' own states passed along.
         def enter(j, state):

@@ -296,4 +296,3 @@ def specs(static, n_pad, kind):
         pl.BlockSpec((None, per_walk, bp, n_pad), lambda k: (summed_walk(k), 0, 0, 0)),
         pl.BlockSpec((None, per_walk, bp), lambda k: (summed_walk(k), 0, 0)),
     ]
-
