@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from benchmarks import _timing, ssd
 from pallas_kernels import _compat
-from pallas_kernels.mamba2 import backward, common, forward, reference, tuning
+from pallas_kernels.mamba2 import backward, common, forward, semantics, tuning
 
 BLOCK_TS = (64, 128)
 SCAN_CANDIDATES = list(itertools.product((32, 64), (4, 8), (2, 3, 4)))  # block_p, warps, stages
@@ -54,7 +54,7 @@ def static_for(blocks, shape, block_t, interpret=False):
 def kernel_inputs(shape):
     """Padded kernel operands (P and N are powers of two here, T a multiple of every tile)."""
     x, dt, A, B, C, D, dt_bias, dy = ssd.make_inputs(shape, seed=0)
-    dt_step = reference.preprocess_dt(dt, dt_bias, True, (0.0, float("inf")))
+    dt_step = semantics.step_sizes(dt, dt_bias, True)
     dt_step = jnp.swapaxes(dt_step.astype(jnp.float32), 1, 2)
     d = jnp.broadcast_to(D[:, None], (shape.heads, shape.head_dim)).astype(jnp.float32)
     return x, dt_step, A, B, C, d, dy

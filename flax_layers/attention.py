@@ -6,16 +6,27 @@
   causal / local / soft-capped attention, packed segments and a KV cache for decoding.
 """
 
+import math
+import numbers
 import warnings
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import pallas_kernels
+from flax_layers._checks import (
+    check_dtypes,
+    check_flags,
+    check_implementation,
+    check_sizes,
+)
 from flax_layers._sharding import logical
+from pallas_kernels._compat import concrete_value
 from pallas_kernels.attention import masking
+from pallas_kernels.attention.api import check_soft_cap, check_window
 
 _WARNED = set()
 DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
@@ -102,11 +113,38 @@ def segment_positions(segment_ids):
 
 
 class KVCache(NamedTuple):
-    """Keys and values (B, max_length, K, H) and how many positions are filled (() int32)."""
+    """Keys and values (B, L, K, H) and how many positions are filled (() int32).
+
+    The batch B and the capacity L are the arrays' static shapes.
+    """
 
     keys: jax.Array
     values: jax.Array
     index: jax.Array
+
+    @property
+    def batch(self):
+        return self.keys.shape[0]
+
+    @property
+    def capacity(self):
+        return self.keys.shape[1]
+
+    def check_fits(self, batch, new):
+        """A ValueError unless `new` tokens of `batch` rows fit after the filled positions.
+
+        The batch and the capacity are static and always checked; the fill index only where its
+        value is known (eager use). Under jit see `FlashMultiHeadAttention.attend_cached`.
+        """
+        if batch != self.batch:
+            raise ValueError(f"batch {batch} does not match the KV cache's batch {self.batch}")
+        if new > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; {new} new tokens do not "
+                             "fit")
+        filled = concrete_value(self.index)
+        if filled is not None and filled + new > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; {int(filled)} are filled "
+                             f"and {new} new tokens do not fit")
 
 
 class FlashMultiHeadAttention(nnx.Module):
@@ -115,12 +153,16 @@ class FlashMultiHeadAttention(nnx.Module):
     Projections: query (in_features -> num_heads x head_dim), key and value (-> num_kv_heads x
     head_dim, GQA when num_kv_heads < num_heads), output (-> out_features), with head_dim =
     qkv_features // num_heads. Options: `is_causal`, `local_window_size`, `logits_soft_cap` (as
-    `pallas_kernels.dot_product_attention`) and rotary embeddings with base `rope_theta`.
+    `pallas_kernels.dot_product_attention`, checked here with the kernel's own checks so that
+    the forward and the decode path reject the same values) and rotary embeddings with base
+    `rope_theta`. Every argument is checked at construction (ValueError or TypeError naming it).
 
     `__call__(inputs_q (B, T, F), inputs_kv=None, *, q_segment_ids=None, kv_segment_ids=None,
     decode=None)` returns (B, T, out_features). With `decode=True` (after `init_cache`) each call
-    takes the next tokens, appends their keys and values to the cache and attends over the filled
-    part, continuing the positions where the last call stopped.
+    takes the next tokens (self-attention, no segment ids), appends their keys and values to the
+    cache and attends over the filled part, continuing the positions where the last call
+    stopped; `attend_cached` says what happens to tokens that do not fit. A call without
+    `decode` never touches the cache.
     """
 
     def __init__(
@@ -144,22 +186,16 @@ class FlashMultiHeadAttention(nnx.Module):
     ):
         qkv_features = in_features if qkv_features is None else qkv_features
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if qkv_features % num_heads:
-            raise ValueError(
-                f"qkv_features ({qkv_features}) must be divisible by num_heads ({num_heads})"
-            )
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
-            )
+        out_features = in_features if out_features is None else out_features
+        check_sizes(in_features=in_features, out_features=out_features)
+        self.head_dim = check_heads(num_heads, num_kv_heads, qkv_features, rope_theta)
+        check_flags(is_causal=is_causal, use_bias=use_bias)
+        check_dtypes(dtype=dtype, param_dtype=param_dtype)
+        check_implementation(implementation)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim = qkv_features // num_heads
-        if rope_theta is not None and self.head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head dim, got {self.head_dim}")
-        self.in_features = in_features
-        self.out_features = in_features if out_features is None else out_features
-        self.is_causal, self.local_window_size = is_causal, local_window_size
-        self.logits_soft_cap, self.rope_theta = logits_soft_cap, rope_theta
+        self.in_features, self.out_features = in_features, out_features
+        self.is_causal, self.local_window_size = is_causal, check_window(local_window_size)
+        self.logits_soft_cap, self.rope_theta = check_soft_cap(logits_soft_cap), rope_theta
         self.dtype, self.implementation = dtype, implementation
 
         def projection(features_in, out_shape, axis, in_names, out_names):
@@ -183,7 +219,9 @@ class FlashMultiHeadAttention(nnx.Module):
         self.cache_index = nnx.data(None)
 
     def empty_cache(self, batch, max_length, dtype=jnp.float32):
-        """An empty KVCache for `attend_cached` (a cache held outside this module)."""
+        """An empty KVCache (batch, max_length, K, H) for `attend_cached` (a cache held outside
+        this module)."""
+        check_sizes(batch=batch, max_length=max_length)
         shape = (batch, max_length, self.num_kv_heads, self.head_dim)
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.array(0, jnp.int32))
 
@@ -197,12 +235,7 @@ class FlashMultiHeadAttention(nnx.Module):
     def __call__(self, inputs_q, inputs_kv=None, *, q_segment_ids=None, kv_segment_ids=None,
                  decode=None):
         if decode:
-            if self.cached_key is None:
-                raise ValueError("decode=True needs init_cache(input_shape) first")
-            cache = KVCache(self.cached_key[...], self.cached_value[...], self.cache_index[...])
-            out, cache = self.attend_cached(inputs_q, cache)
-            self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache
-            return out
+            return self._decode(inputs_q, inputs_kv, q_segment_ids, kv_segment_ids)
         inputs_kv = inputs_q if inputs_kv is None else inputs_kv
         query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv)
         if self.rope_theta is not None:
@@ -218,6 +251,18 @@ class FlashMultiHeadAttention(nnx.Module):
         )
         return self.out(out)
 
+    def _decode(self, inputs, inputs_kv, q_segment_ids, kv_segment_ids):
+        """`attend_cached` on the module's own cache, which it updates."""
+        if inputs_kv is not None or q_segment_ids is not None or kv_segment_ids is not None:
+            raise ValueError("decode=True is self-attention of one sequence per row: it takes no "
+                             "inputs_kv, q_segment_ids or kv_segment_ids")
+        if self.cached_key is None:
+            raise ValueError("decode=True needs init_cache(input_shape) first")
+        cache = KVCache(self.cached_key[...], self.cached_value[...], self.cache_index[...])
+        out, cache = self.attend_cached(inputs, cache)
+        self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache
+        return out
+
     @staticmethod
     def _positions(inputs, segment_ids):
         if segment_ids is not None:
@@ -226,23 +271,42 @@ class FlashMultiHeadAttention(nnx.Module):
 
     def attend_cached(self, inputs, cache):
         """Self-attention of new tokens (B, n, F) that continue `cache`: appends their keys and
-        values at cache.index and attends over the filled part. Returns (out, new cache)."""
+        values at cache.index and attends over the filled part. Returns (out (B, n,
+        out_features), new cache).
+
+        A batch other than the cache's, or more than its capacity of new tokens, is a ValueError;
+        so is a call past the capacity where the fill index is known (eager). Under jit it is
+        not: a call whose tokens do not fit leaves the keys and values unchanged and returns NaN
+        outputs, and the index still advances, so every later call returns NaN too (never a
+        silently wrong value).
+        """
+        batch, new = inputs.shape[:2]
+        cache.check_fits(batch, new)
         query, key, value = self.query(inputs), self.key(inputs), self.value(inputs)
-        batch, new = query.shape[:2]
         start = cache.index
+        fits = start + new <= cache.capacity
         positions = jnp.broadcast_to(start + jnp.arange(new, dtype=jnp.int32), (batch, new))
         if self.rope_theta is not None:
             query = rotary_embedding(query, positions, self.rope_theta)
             key = rotary_embedding(key, positions, self.rope_theta)
-        index = (0, start, 0, 0)
-        keys = jax.lax.dynamic_update_slice(cache.keys, key.astype(cache.keys.dtype), index)
-        values = jax.lax.dynamic_update_slice(cache.values, value.astype(cache.values.dtype), index)
+        keys = _write_if(fits, cache.keys, key, start)
+        values = _write_if(fits, cache.values, value, start)
         out = cached_attention(
             query, keys, values, positions[0], start + new,
             band=masking.band(self.is_causal, self.local_window_size),
             logits_soft_cap=self.logits_soft_cap,
         )
-        return self.out(out), KVCache(keys, values, start + new)
+        out = jnp.where(fits, self.out(out), jnp.nan)
+        return out, KVCache(keys, values, start + new)
+
+
+def _write_if(fits, buffer, update, start):
+    """buffer (B, L, K, H) with update (B, n, K, H) written at position `start` when `fits`
+    (a () bool), else unchanged; either way only n positions are read and written."""
+    index = (0, start, 0, 0)
+    kept = jax.lax.dynamic_slice(buffer, index, update.shape)
+    return jax.lax.dynamic_update_slice(
+        buffer, jnp.where(fits, update.astype(buffer.dtype), kept), index)
 
 
 def cached_attention(query, keys, values, query_positions, filled, *, band, logits_soft_cap):
@@ -266,3 +330,31 @@ def cached_attention(query, keys, values, query_positions, filled, *, band, logi
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bkgnl,blkh->bnkgh", probs, values.astype(jnp.float32))
     return out.reshape(b, n, heads, h).astype(query.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (the generic ones are in `_checks`): TypeError or ValueError naming the
+# argument, before any array is built.
+
+
+def check_heads(num_heads, num_kv_heads, qkv_features, rope_theta):
+    """The head dim qkv_features // num_heads, after checking the head counts (num_kv_heads
+    dividing num_heads), qkv_features (a multiple of num_heads) and rope_theta (None or a
+    finite number > 0, with an even head dim)."""
+    check_sizes(num_heads=num_heads, num_kv_heads=num_kv_heads, qkv_features=qkv_features)
+    if qkv_features % num_heads:
+        raise ValueError(
+            f"qkv_features ({qkv_features}) must be divisible by num_heads ({num_heads})")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+    head_dim = qkv_features // num_heads
+    if rope_theta is not None:
+        if not isinstance(rope_theta, numbers.Real) or isinstance(rope_theta, bool | np.bool_):
+            raise TypeError(f"rope_theta must be a number or None, got {rope_theta!r}")
+        if not (math.isfinite(rope_theta) and rope_theta > 0):
+            raise ValueError(f"rope_theta must be a finite number > 0 or None, got {rope_theta}")
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings (rope_theta) need an even head dim, got "
+                             f"{head_dim}")
+    return head_dim

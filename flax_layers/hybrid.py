@@ -1,19 +1,32 @@
 """A Zamba2-style hybrid language model: Mamba2 blocks and one shared attention + MLP block."""
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from flax_layers._checks import check_dtypes, check_implementation, check_sizes
 from flax_layers._sharding import logical
-from flax_layers.attention import FlashMultiHeadAttention, KVCache
-from flax_layers.mamba2 import Mamba2
+from flax_layers.attention import FlashMultiHeadAttention, KVCache, check_heads
+from flax_layers.mamba2 import Mamba2, mixer_shape
+from pallas_kernels._compat import concrete_value
 
 
 @dataclasses.dataclass(frozen=True)
 class HybridLMConfig:
-    """Sizes of a HybridLM. `shared_every` Mamba2 blocks are followed by the shared block."""
+    """Sizes of a HybridLM. `shared_every` Mamba2 blocks are followed by the shared block.
+
+    Every field is checked on construction (and by `dataclasses.replace`): a ValueError or
+    TypeError naming it for a size that is not a positive int, `shared_every` not dividing
+    `num_layers`, what `FlashMultiHeadAttention` and `Mamba2` would reject (`num_kv_heads`
+    not dividing `num_heads`, an odd `head_dim` with `rope_theta`, `expand * d_model` not
+    divisible by `headdim`, heads not divisible by `ngroups`, `chunk_size` not a power of two,
+    ...), a `dtype` that is not a floating dtype or None, an unknown `implementation`.
+    """
 
     vocab_size: int = 256
     d_model: int = 64
@@ -29,20 +42,36 @@ class HybridLMConfig:
     expand: int = 2
     d_conv: int = 4
     chunk_size: int = 64
-    rope_theta: float = 10000.0
+    rope_theta: float | None = 10000.0
     dtype: object = None
     implementation: str | None = None
 
+    def __post_init__(self):
+        check_sizes(vocab_size=self.vocab_size, num_layers=self.num_layers,
+                    shared_every=self.shared_every, head_dim=self.head_dim,
+                    mlp_hidden=self.mlp_hidden)
+        if self.num_layers % self.shared_every:
+            raise ValueError(f"num_layers ({self.num_layers}) must be a multiple of "
+                             f"shared_every ({self.shared_every})")
+        check_heads(self.num_heads, self.num_kv_heads, self.num_heads * self.head_dim,
+                    self.rope_theta)
+        mixer_shape(self.d_model, self.d_state, self.d_conv, self.expand, self.headdim,
+                    self.ngroups, self.chunk_size)
+        check_dtypes(dtype=self.dtype)
+        check_implementation(self.implementation)
+
     @classmethod
     def preset(cls, name, **overrides):
-        """"tiny" (trains on a CPU in minutes), "small", or "zamba2-1.2b" (Zamba2-1.2B's shape:
-        d_model 2048, 38 Mamba2 blocks with state 64, a shared 32-head block every 6)."""
+        """"tiny" (trains on a CPU in minutes), "small", or "zamba2-1.2b" (Zamba2-1.2B's sizes:
+        d_model 2048, Mamba2 blocks with state 64, a shared 32-head block every 6). Zamba2-1.2B
+        has 38 Mamba2 blocks, which a shared block every 6 cannot divide; the preset keeps 36
+        (6 uses of the shared block). Its exact layer pattern is not modelled yet."""
         presets = {
             "tiny": {},
             "small": dict(d_model=512, num_layers=12, shared_every=4, num_heads=8,
                           num_kv_heads=2, head_dim=64, mlp_hidden=2048, d_state=64, headdim=64,
                           chunk_size=128),
-            "zamba2-1.2b": dict(vocab_size=32000, d_model=2048, num_layers=38, shared_every=6,
+            "zamba2-1.2b": dict(vocab_size=32000, d_model=2048, num_layers=36, shared_every=6,
                                 num_heads=32, num_kv_heads=32, head_dim=128, mlp_hidden=8192,
                                 d_state=64, headdim=64, chunk_size=256),
         }
@@ -110,14 +139,23 @@ class HybridLM(nnx.Module):
     """Token embedding -> Mamba2 blocks (pre-norm residual), with one shared attention + MLP
     block (shared weights) after every `shared_every` of them -> RMSNorm -> tied LM head.
 
-    `__call__(tokens (B, T) int, *, segment_ids=None, decode=False)` returns logits (B, T, V).
-    With `decode=True` (after `init_cache`) the tokens continue the cached sequence.
+    `__call__(tokens (B, T) int, *, segment_ids=None, decode=False)` returns logits (B, T, V)
+    float32. Token ids must lie in [0, vocab_size): eagerly an id outside is a ValueError;
+    inside jit, ids outside [0, vocab) give NaN logits at their positions (the tokens after
+    them see id 0 there).
+
+    A call without `decode` never touches the caches. With `decode=True` (after `init_cache`)
+    the tokens (no segment ids) continue the cached sequence; a prompt is prefilled the same
+    way. A batch other than the caches', more tokens than they hold, or (eagerly) tokens past
+    their capacity are a ValueError, raised before any cache changes. Inside jit the fill is
+    not known: a call that does not fit leaves the KV caches unchanged and gives NaN logits,
+    and so does every later call (the Mamba2 states then hold no meaningful values) until
+    `init_cache`. `generate` sizes its caches so that this never happens.
     """
 
     def __init__(self, config, *, rngs):
-        if config.num_layers % config.shared_every:
-            raise ValueError(f"num_layers ({config.num_layers}) must be a multiple of "
-                             f"shared_every ({config.shared_every})")
+        if not isinstance(config, HybridLMConfig):
+            raise TypeError(f"config must be a HybridLMConfig, got {type(config).__name__}")
         self.config = config
         self.embed = nnx.Embed(
             config.vocab_size, config.d_model, dtype=config.dtype,
@@ -130,7 +168,9 @@ class HybridLM(nnx.Module):
         self.kv_caches = nnx.data(None)
 
     def init_cache(self, batch_size, max_length):
-        """Empty decode caches: conv/SSM states per Mamba2 block, a KV cache per shared use."""
+        """Empty decode caches for `batch_size` rows of up to `max_length` tokens: conv/SSM
+        states per Mamba2 block, a KV cache (batch_size, max_length, K, H) per shared use."""
+        check_sizes(batch_size=batch_size, max_length=max_length)
         for block in self.blocks:
             block.mixer.init_cache(batch_size)
         uses = self.config.num_layers // self.config.shared_every
@@ -140,9 +180,11 @@ class HybridLM(nnx.Module):
         ])
 
     def __call__(self, tokens, *, segment_ids=None, decode=False):
-        if decode and self.kv_caches is None:
-            raise ValueError("decode=True needs init_cache(batch_size, max_length) first")
-        embeddings = self.embed(tokens)
+        _check_tokens("tokens", tokens, self.config.vocab_size)
+        if decode:
+            self._check_decode(*tokens.shape, segment_ids)
+        in_vocab = (tokens >= 0) & (tokens < self.config.vocab_size)  # (B, T)
+        embeddings = self.embed(jnp.where(in_vocab, tokens, 0))
         h = embeddings
         for i, block in enumerate(self.blocks):
             h = h + block.mixer(block.norm(h), seq_idx=segment_ids, decode=decode)
@@ -152,23 +194,102 @@ class HybridLM(nnx.Module):
                 h, cache = self.shared(h, embeddings, segment_ids, cache)
                 if decode:
                     self.kv_caches[use].set(cache)
+        h = jnp.where(in_vocab[..., None], h, jnp.nan)  # fused into the final norm
         return self.embed.attend(self.final_norm(h)).astype(jnp.float32)
 
-    def generate(self, prompt_tokens, max_new_tokens, *, temperature=1.0, rng):
-        """Samples `max_new_tokens` after `prompt_tokens` (B, T) through the decode caches.
+    def _check_decode(self, batch, new, segment_ids):
+        """A ValueError, before any cache changes, unless `new` tokens of `batch` rows (without
+        segment ids) fit every cache (see `KVCache.check_fits`)."""
+        if self.kv_caches is None:
+            raise ValueError("decode=True needs init_cache(batch_size, max_length) first")
+        if segment_ids is not None:
+            raise ValueError("decode=True continues one sequence per row: it takes no "
+                             "segment_ids")
+        for block in self.blocks:
+            block.mixer.check_cache(batch)
+        for slot in self.kv_caches:
+            slot.get().check_fits(batch, new)
 
-        temperature 0 takes the most likely token. Returns (B, max_new_tokens) int32.
+    def generate(self, prompt_tokens, max_new_tokens, *, temperature=1.0, rng):
+        """Samples `max_new_tokens` after `prompt_tokens` through the decode caches, which it
+        (re)initialises to hold the prompt and the new tokens.
+
+        Args:
+          prompt_tokens: (B, T) integers in [0, vocab_size), T >= 1.
+          max_new_tokens: an int >= 0.
+          temperature: a finite number >= 0; 0 takes the most likely token.
+          rng: a PRNG key (`jax.random.key` or a legacy uint32 (2,) key).
+
+        Returns:
+          (B, max_new_tokens) int32. Each argument is checked first (TypeError or ValueError
+          naming it); with max_new_tokens 0 nothing else happens.
         """
+        _check_generate(prompt_tokens, max_new_tokens, temperature, rng, self.config.vocab_size)
         batch, t = prompt_tokens.shape
+        if max_new_tokens == 0:
+            return jnp.zeros((batch, 0), jnp.int32)
         self.init_cache(batch, t + max_new_tokens)
         logits = self(prompt_tokens, decode=True)[:, -1]
-        step = nnx.jit(lambda model, token: model(token[:, None], decode=True)[:, 0])
         new_tokens = []
-        for key in jax.random.split(rng, max_new_tokens):
+        for i, key in enumerate(jax.random.split(rng, max_new_tokens)):
             if temperature == 0:
                 token = jnp.argmax(logits, axis=-1)
             else:
                 token = jax.random.categorical(key, logits / temperature, axis=-1)
             new_tokens.append(token.astype(jnp.int32))
-            logits = step(self, new_tokens[-1])
+            if i + 1 < max_new_tokens:
+                logits = _next_logits(self, new_tokens[-1])
         return jnp.stack(new_tokens, axis=1)
+
+
+@nnx.jit
+def _next_logits(model, token):
+    """One decode step: logits (B, V) after token (B,)."""
+    return model(token[:, None], decode=True)[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (the config's are in `HybridLMConfig.__post_init__`, with the layers'
+# shared ones): TypeError or ValueError naming the argument.
+
+
+def _check_tokens(name, tokens, vocab_size):
+    """tokens must be a (B, T) integer array with B, T >= 1 and, where their values are known
+    (eagerly), ids in [0, vocab_size)."""
+    if not (hasattr(tokens, "dtype") and jnp.issubdtype(tokens.dtype, jnp.integer)):
+        raise TypeError(f"{name} must be an integer array, got "
+                        f"{getattr(tokens, 'dtype', type(tokens).__name__)}")
+    if tokens.ndim != 2 or 0 in tokens.shape:
+        raise ValueError(f"{name} must be a (batch, length) array with at least one token per "
+                         f"row, got shape {tokens.shape}")
+    ids = concrete_value(tokens)
+    if ids is not None:
+        outside = ids[(ids < 0) | (ids >= vocab_size)]
+        if outside.size:
+            raise ValueError(f"{name} must lie in [0, {vocab_size}) (the vocabulary), got "
+                             f"{outside[0]}")
+
+
+def _check_generate(prompt_tokens, max_new_tokens, temperature, rng, vocab_size):
+    """`generate`'s arguments, as its docstring gives them."""
+    _check_tokens("prompt_tokens", prompt_tokens, vocab_size)
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens,
+                                                                      bool | np.bool_):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool | np.bool_):
+        raise TypeError(f"temperature must be a number, got {temperature!r}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not _is_key(rng):
+        raise TypeError(f"rng must be a PRNG key (jax.random.key(seed)), got {rng!r}")
+
+
+def _is_key(rng):
+    """A typed PRNG key of shape (), or a legacy uint32 (2,) key."""
+    if not isinstance(rng, jax.Array):
+        return False
+    if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return rng.shape == ()
+    return rng.dtype == jnp.uint32 and rng.shape == (2,)

@@ -1,14 +1,16 @@
 """Mamba2 mixer (mamba_ssm's `Mamba2` block) as a Flax NNX module, with decode caches."""
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
+from flax_layers._checks import check_dtypes, check_flags, check_implementation, check_sizes
 from flax_layers._sharding import logical, logical_param
-from pallas_kernels.mamba2 import reference
+from pallas_kernels.mamba2.api import check_dt_limit
 
 
 def _torch_linear_init(fan_in):
@@ -35,9 +37,14 @@ class Mamba2(nnx.Module):
     RMSNorm over groups of d_inner / ngroups channels (y * silu(z) then the norm, or the reverse
     with `norm_before_gate`); out_proj.
 
-    `__call__(u (B, T, d_model), *, seq_idx=None, decode=False)` returns (B, T, d_model). With a
-    cache (`init_cache`), a forward call leaves the conv and SSM states of its last tokens in it,
-    and `decode=True` consumes one or more new tokens step by step from there.
+    Every argument is checked at construction (ValueError or TypeError naming it).
+
+    `__call__(u (B, T, d_model), *, seq_idx=None, decode=False)` returns (B, T, d_model). A
+    forward (without `decode`) never touches the caches. With `decode=True` (after `init_cache`)
+    the tokens continue the cached conv and SSM states, which the call advances: one token
+    through `selective_state_update`, several (a prefill) through the chunked scan from the
+    cached states, which gives the same result. A whole sequence decoded from an empty cache
+    gives the forward's outputs.
     """
 
     def __init__(
@@ -65,20 +72,17 @@ class Mamba2(nnx.Module):
         implementation=None,
         rngs,
     ):
-        d_inner = expand * d_model
-        if d_inner % headdim:
-            raise ValueError(f"d_inner = expand * d_model ({d_inner}) must be divisible by "
-                             f"headdim ({headdim})")
-        nheads = d_inner // headdim
-        if nheads % ngroups:
-            raise ValueError(f"heads ({nheads}) must be divisible by ngroups ({ngroups})")
-        if not 0 < dt_min <= dt_max:
-            raise ValueError(f"need 0 < dt_min <= dt_max, got {dt_min}, {dt_max}")
-        if A_init_range[0] <= 0 or A_init_range[0] > A_init_range[1]:
-            raise ValueError(f"A_init_range must be 0 < low <= high, got {A_init_range}")
+        d_inner, nheads = mixer_shape(d_model, d_state, d_conv, expand, headdim, ngroups,
+                                      chunk_size)
+        _check_initialisation(A_init_range, dt_min, dt_max, dt_init_floor)
+        dt_limit = check_dt_limit(dt_limit)
+        check_flags(D_has_hdim=D_has_hdim, rmsnorm=rmsnorm, norm_before_gate=norm_before_gate,
+                    conv_bias=conv_bias, bias=bias)
+        check_dtypes(dtype=dtype, param_dtype=param_dtype)
+        check_implementation(implementation)
         self.d_model, self.d_inner, self.d_state, self.d_conv = d_model, d_inner, d_state, d_conv
         self.headdim, self.nheads, self.ngroups = headdim, nheads, ngroups
-        self.chunk_size, self.dt_limit, self.rmsnorm = chunk_size, tuple(dt_limit), rmsnorm
+        self.chunk_size, self.dt_limit, self.rmsnorm = chunk_size, dt_limit, rmsnorm
         self.D_has_hdim = D_has_hdim
         self.norm_before_gate, self.dtype, self.implementation = (
             norm_before_gate, dtype, implementation)
@@ -118,10 +122,19 @@ class Mamba2(nnx.Module):
 
     def init_cache(self, batch_size, dtype=jnp.float32):
         """Zero conv state (B, d_conv - 1, conv_dim) and SSM state (B, H, P, N) float32."""
+        check_sizes(batch_size=batch_size)
         self.conv_state = nnx.Cache(jnp.zeros((batch_size, self.d_conv - 1, self.conv_dim),
                                               dtype))
         self.ssm_state = nnx.Cache(jnp.zeros(
             (batch_size, self.nheads, self.headdim, self.d_state), jnp.float32))
+
+    def check_cache(self, batch):
+        """A ValueError unless the decode caches exist and hold `batch` rows."""
+        if self.ssm_state is None:
+            raise ValueError("decode=True needs init_cache(batch_size) first")
+        if batch != self.ssm_state.shape[0]:
+            raise ValueError(f"batch {batch} does not match the Mamba2 cache's batch "
+                             f"{self.ssm_state.shape[0]}")
 
     # -----------------------------------------------------------------------------------------
 
@@ -180,51 +193,89 @@ class Mamba2(nnx.Module):
         return self.out_proj(y.astype(dtype))
 
     def __call__(self, u, *, seq_idx=None, decode=False):
-        zxbcdt = self.in_proj(u)
-        z, xbc, dt = self._split(zxbcdt)
         if decode:
-            return self._decode(z, xbc, dt)
-        batch, t = u.shape[:2]
-        history = jnp.zeros((batch, self.d_conv - 1, self.conv_dim), xbc.dtype)
+            if seq_idx is not None:
+                raise ValueError("decode=True continues one sequence per row: it takes no seq_idx")
+            self.check_cache(u.shape[0])
+        z, xbc, dt = self._split(self.in_proj(u))
+        if decode:
+            advance = self._step if u.shape[1] == 1 else self._scan
+            y, (self.conv_state[...], self.ssm_state[...]) = advance(
+                z, xbc, dt, self.conv_state[...], self.ssm_state[...])
+        else:
+            history = jnp.zeros((u.shape[0], self.d_conv - 1, self.conv_dim), xbc.dtype)
+            y, _ = self._scan(z, xbc, dt, history, None, seq_idx)
+        return self._norm_and_project(y, z)
+
+    def _scan(self, z, xbc, dt, history, initial_states, seq_idx=None):
+        """The chunked scan over (B, T, ...) from conv `history` (B, d_conv - 1, C) and
+        `initial_states` (B, H, P, N) or None. Returns (y (B, T, d_inner), (conv history,
+        SSM state) after the last token, in the histories' and float32)."""
         x, b, c = self._ssd_inputs(self._conv(xbc, history, seq_idx))
-        A = -jnp.exp(self.A_log[...])
         y, final = pallas_kernels.mamba_chunk_scan_combined(
-            x, dt, A, b, c, self.chunk_size, D=self._d(),
+            x, dt, -jnp.exp(self.A_log[...]), b, c, self.chunk_size, D=self._d(),
             z=None if self.rmsnorm else z.reshape(x.shape), dt_bias=self.dt_bias[...],
-            seq_idx=seq_idx, dt_softplus=True, dt_limit=self.dt_limit,
-            return_final_states=True, implementation=self.implementation,
+            initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True,
+            dt_limit=self.dt_limit, return_final_states=True, implementation=self.implementation,
         )
-        if self.ssm_state is not None:  # leave the states where decoding continues
-            padded = jnp.concatenate([history, xbc], axis=1)
-            tail = padded[:, padded.shape[1] - (self.d_conv - 1):]  # empty when d_conv == 1
-            self.conv_state[...] = tail.astype(self.conv_state.dtype)
-            self.ssm_state[...] = final
-        return self._norm_and_project(y.reshape(batch, t, self.d_inner), z)
+        caches = (_conv_history(history, xbc), final.astype(jnp.float32))
+        return y.reshape(*xbc.shape[:2], self.d_inner), caches
 
-    def _decode(self, z, xbc, dt):
-        """Steps the new tokens through the conv state and `selective_state_update`."""
-        if self.ssm_state is None:
-            raise ValueError("decode=True needs init_cache(batch_size) first")
-        A = -jnp.exp(self.A_log[...])
-        dt = reference.preprocess_dt(dt, self.dt_bias[...], True, self.dt_limit)
-
-        def step(carry, inputs):
-            conv_state, ssm_state = carry
-            xbc_t, dt_t, z_t = inputs  # (B, C), (B, H), (B, d_inner)
-            window = jnp.concatenate([conv_state, xbc_t[:, None].astype(conv_state.dtype)], 1)
-            conv_out = self._conv(xbc_t[:, None], conv_state)[:, 0]
-            x, b, c = self._ssd_inputs(conv_out)
-            y, ssm_state = pallas_kernels.selective_state_update(
-                ssm_state, x, dt_t, A, b, c, D=self._d(),
-                z=None if self.rmsnorm else z_t.reshape(x.shape),
-                implementation=self.implementation,
-            )
-            return (window[:, 1:], ssm_state), y.reshape(y.shape[0], self.d_inner)
-
-        (conv_state, ssm_state), ys = jax.lax.scan(
-            step, (self.conv_state[...], self.ssm_state[...]),
-            (jnp.swapaxes(xbc, 0, 1), jnp.swapaxes(dt, 0, 1), jnp.swapaxes(z, 0, 1)),
+    def _step(self, z, xbc, dt, conv_state, ssm_state):
+        """One token (B, 1, ...) through the conv state and `selective_state_update`. Returns
+        (y (B, 1, d_inner), (conv state, SSM state) after it)."""
+        x, b, c = self._ssd_inputs(self._conv(xbc, conv_state)[:, 0])
+        y, ssm_state = pallas_kernels.selective_state_update(
+            ssm_state, x, dt[:, 0], -jnp.exp(self.A_log[...]), b, c, D=self._d(),
+            z=None if self.rmsnorm else z[:, 0].reshape(x.shape), dt_bias=self.dt_bias[...],
+            dt_softplus=True, dt_limit=self.dt_limit, implementation=self.implementation,
         )
-        self.conv_state[...] = conv_state
-        self.ssm_state[...] = ssm_state
-        return self._norm_and_project(jnp.swapaxes(ys, 0, 1), z)
+        return y.reshape(xbc.shape[0], 1, self.d_inner), (_conv_history(conv_state, xbc),
+                                                          ssm_state)
+
+
+def _conv_history(history, xbc):
+    """The last d_conv - 1 conv inputs after `history` (B, d_conv - 1, C) and the new xbc
+    (B, T, C), in the history's dtype (empty when d_conv == 1)."""
+    padded = jnp.concatenate([history, xbc.astype(history.dtype)], axis=1)
+    return padded[:, xbc.shape[1]:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (the generic ones are in `_checks`): TypeError or ValueError
+# naming the argument, before any array is built.
+
+
+def mixer_shape(d_model, d_state, d_conv, expand, headdim, ngroups, chunk_size):
+    """(d_inner, heads) of a Mamba2 mixer, after checking its sizes: each a positive int,
+    d_inner = expand * d_model divisible by headdim, heads by ngroups, chunk_size a power of
+    two. Shared with `HybridLMConfig`."""
+    check_sizes(d_model=d_model, d_state=d_state, d_conv=d_conv, expand=expand,
+                headdim=headdim, ngroups=ngroups, chunk_size=chunk_size)
+    d_inner = expand * d_model
+    if d_inner % headdim:
+        raise ValueError(f"d_inner = expand * d_model ({d_inner}) must be divisible by "
+                         f"headdim ({headdim})")
+    nheads = d_inner // headdim
+    if nheads % ngroups:
+        raise ValueError(f"heads ({nheads}) must be divisible by ngroups ({ngroups})")
+    if chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size}")
+    return d_inner, nheads
+
+
+def _check_initialisation(A_init_range, dt_min, dt_max, dt_init_floor):
+    """A_init_range a pair 0 < low <= high, 0 < dt_min <= dt_max and dt_init_floor >= 0, all
+    finite numbers."""
+    def finite(*values):
+        return all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+                   for v in values)
+
+    if not (isinstance(A_init_range, tuple | list) and len(A_init_range) == 2
+            and finite(*A_init_range) and 0 < A_init_range[0] <= A_init_range[1]):
+        raise ValueError(f"A_init_range must be a pair of finite numbers 0 < low <= high, got "
+                         f"{A_init_range!r}")
+    if not (finite(dt_min, dt_max) and 0 < dt_min <= dt_max):
+        raise ValueError(f"need finite 0 < dt_min <= dt_max, got {dt_min!r}, {dt_max!r}")
+    if not (finite(dt_init_floor) and dt_init_floor >= 0):
+        raise ValueError(f"dt_init_floor must be a finite number >= 0, got {dt_init_floor!r}")

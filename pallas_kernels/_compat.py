@@ -8,6 +8,7 @@ bodies use only idioms that are identical in 0.11.2 and 0.12 (ref indexing, `jnp
 import warnings
 
 import jax
+import numpy as np
 from jax.experimental.pallas import triton as plt
 
 TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
@@ -58,3 +59,15 @@ def target_multiprocessors():
 
 def targets_gpu():
     return target_device()[1] in ("gpu", "cuda", "rocm")
+
+
+def concrete_value(x):
+    """x as a numpy array when its value is known now (not a tracer), else None.
+
+    Argument checks that need values (signs, ranges) run where this is not None: eagerly, or on
+    constants under jit.
+    """
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import linen, nnx
 
+import pallas_kernels
 from flax_layers import FlashMultiHeadAttention, flash_attention_fn
 from flax_layers import attention as flax_attention
 
@@ -86,11 +87,89 @@ def test_flash_attention_fn_in_linen_attention(monkeypatch):
     assert sum("dense mask" in str(w.message) for w in caught) == 1  # once, with the reason
 
 
-def test_bad_configuration():
-    with pytest.raises(ValueError, match="num_kv_heads"):
-        FlashMultiHeadAttention(4, 32, num_kv_heads=3, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="num_heads"):
-        FlashMultiHeadAttention(3, 32, rngs=nnx.Rngs(0))
+def test_decode_past_the_cache_is_a_value_error_eagerly():
+    layer = _layer("xla", is_causal=True)
+    layer.init_cache((2, 8, 32))
+    x = jax.random.normal(jax.random.key(5), (2, 9, 32))
+    with pytest.raises(ValueError, match="KV cache holds 8 positions; 9 new tokens do not fit"):
+        layer(x, decode=True)  # a prompt longer than the cache
+    layer(x[:, :5], decode=True)
+    keys = layer.cached_key[...]
+    with pytest.raises(ValueError, match="8 positions; 5 are filled and 4 new tokens do not"):
+        layer(x[:, 5:9], decode=True)
+    with pytest.raises(ValueError, match="batch 3 does not match the KV cache's batch 2"):
+        layer(jnp.ones((3, 1, 32)), decode=True)
+    assert int(layer.cache_index[...]) == 5 and np.array_equal(layer.cached_key[...], keys)
+
+
+def test_decode_past_the_cache_under_jit_gives_nan_and_keeps_the_cache():
+    layer = _layer("xla", is_causal=True)
+    layer.init_cache((2, 8, 32))
+    step = nnx.jit(lambda layer, x: layer(x, decode=True))
+    x = jax.random.normal(jax.random.key(6), (2, 3, 32))
+    for _ in range(3):  # 6 of the 8 positions filled
+        assert np.isfinite(step(layer, x[:, :2])).all()
+    keys, values = layer.cached_key[...], layer.cached_value[...]
+    assert np.isnan(step(layer, x)).all()  # 6 + 3 > 8
+    assert np.array_equal(layer.cached_key[...], keys)
+    assert np.array_equal(layer.cached_value[...], values)
+    assert int(layer.cache_index[...]) == 9
+    assert np.isnan(step(layer, x[:, :2])).all()  # every later step is NaN too
+
+
+@pytest.mark.parametrize("option", [dict(logits_soft_cap=0.0), dict(logits_soft_cap=-1.0),
+                                    dict(logits_soft_cap=float("nan")),
+                                    dict(local_window_size=-1), dict(local_window_size=(3, -2)),
+                                    dict(local_window_size=2.5)])
+def test_decode_and_forward_reject_the_same_options(option):
+    q = jnp.ones((1, 4, 4, 8))
+    with pytest.raises((ValueError, TypeError)) as forward_error:
+        pallas_kernels.dot_product_attention(q, q, q, **option)
+    with pytest.raises(type(forward_error.value)) as layer_error:
+        _layer("xla", **option)  # checked at construction, before either path runs
+    assert str(layer_error.value) == str(forward_error.value)
+
+
+def test_window_is_stored_normalised():
+    assert _layer("xla", local_window_size=3).local_window_size == (3, 3)
+
+
+def test_decode_takes_self_attention_only():
+    layer = _layer("xla")
+    layer.init_cache((1, 4, 32))
+    x = jnp.ones((1, 1, 32))
+    with pytest.raises(ValueError, match="inputs_kv"):
+        layer(x, x, decode=True)
+    with pytest.raises(ValueError, match="q_segment_ids"):
+        layer(x, q_segment_ids=jnp.zeros((1, 1), jnp.int32),
+              kv_segment_ids=jnp.zeros((1, 1), jnp.int32), decode=True)
+
+
+@pytest.mark.parametrize("kwargs, error, needle", [
+    (dict(num_heads=0), ValueError, "num_heads must be a positive int, got 0"),
+    (dict(num_kv_heads=0), ValueError, "num_kv_heads must be a positive int, got 0"),
+    (dict(in_features=0), ValueError, "in_features must be a positive int, got 0"),
+    (dict(qkv_features=0), ValueError, "qkv_features must be a positive int, got 0"),
+    (dict(out_features=0), ValueError, "out_features must be a positive int, got 0"),
+    (dict(num_heads=4.0), TypeError, "num_heads must be an int, got 4.0"),
+    (dict(num_heads=True), TypeError, "num_heads must be an int, got True"),
+    (dict(num_kv_heads=3), ValueError, r"num_heads \(4\) must be divisible by num_kv_heads \(3\)"),
+    (dict(num_heads=3), ValueError, r"qkv_features \(32\) must be divisible by num_heads \(3\)"),
+    (dict(qkv_features=20, rope_theta=1e4), ValueError, "even head dim, got 5"),
+    (dict(rope_theta=0.0), ValueError, "rope_theta must be a finite number > 0"),
+    (dict(rope_theta=float("inf")), ValueError, "rope_theta must be a finite number > 0"),
+    (dict(is_causal=1), TypeError, "is_causal must be a bool, got 1"),
+    (dict(use_bias="no"), TypeError, "use_bias must be a bool"),
+    (dict(dtype=jnp.int32), TypeError, "dtype must be a floating dtype"),
+    (dict(implementation="cuda"), ValueError, "implementation must be one of"),
+])
+def test_bad_configuration(kwargs, error, needle):
+    kwargs = dict(num_heads=4, in_features=32) | kwargs
+    with pytest.raises(error, match=needle):
+        FlashMultiHeadAttention(**kwargs, rngs=nnx.Rngs(0))
+
+
+def test_decode_needs_a_cache():
     layer = FlashMultiHeadAttention(4, 32, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="init_cache"):
         layer(jnp.ones((1, 1, 32)), decode=True)

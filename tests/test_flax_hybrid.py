@@ -1,4 +1,7 @@
-"""HybridLM: decode == forward, kernels vs reference, training, Linen wrappers, configuration."""
+"""HybridLM: decode == forward, kernels vs reference, training, Linen wrappers, configuration,
+cache and argument checks."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +21,28 @@ def _close(x, y, tol=2e-5):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
-def test_prefill_then_decode_equals_forward():
+def _small_model():
+    return HybridLM(HybridLMConfig(**SMALL, implementation="xla"), rngs=nnx.Rngs(0))
+
+
+def _caches(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Cache))]
+
+
+def _assert_same(caches, model):
+    for before, after in zip(caches, _caches(model), strict=True):
+        assert np.array_equal(before, after)
+
+
+def test_prefill_then_decode_equals_forward_with_a_forward_between():
     model = HybridLM(HybridLMConfig.preset("tiny", implementation="xla"), rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(0), (2, 14), 0, 256)
     full = model(tokens)
     model.init_cache(2, 16)
     prefill = model(tokens[:, :6], decode=True)
+    caches = _caches(model)
+    model(255 - tokens)  # a plain forward between decode calls touches no cache
+    _assert_same(caches, model)
     steps = [model(tokens[:, t:t + 1], decode=True) for t in range(6, 14)]
     _close(jnp.concatenate([prefill, *steps], axis=1), full, 1e-4)
 
@@ -91,12 +110,135 @@ def test_linen_wrappers_init_and_apply():
     assert lm.apply(variables, tokens).shape == (2, 8, 256)
 
 
-def test_bad_configuration():
-    with pytest.raises(ValueError, match="shared_every"):
-        HybridLM(HybridLMConfig(**{**SMALL, "num_layers": 3}), rngs=nnx.Rngs(0))
+def test_decode_past_the_caches_is_a_value_error_before_any_cache_changes():
+    model = _small_model()
+    tokens = jnp.ones((2, 5), jnp.int32)
+    model.init_cache(2, 4)
+    caches = _caches(model)
+    with pytest.raises(ValueError, match="KV cache holds 4 positions; 5 new tokens do not fit"):
+        model(tokens, decode=True)  # a prompt longer than the caches
+    with pytest.raises(ValueError, match="batch 3 does not match the Mamba2 cache's batch 2"):
+        model(jnp.ones((3, 1), jnp.int32), decode=True)
+    _assert_same(caches, model)
+    model(tokens[:, :3], decode=True)
+    caches = _caches(model)
+    with pytest.raises(ValueError, match="4 positions; 3 are filled and 2 new tokens do not fit"):
+        model(tokens[:, :2], decode=True)
+    _assert_same(caches, model)
+    with pytest.raises(ValueError, match="segment_ids"):
+        model(tokens[:, :1], segment_ids=jnp.zeros((2, 1), jnp.int32), decode=True)
+
+
+def test_decode_past_the_caches_under_jit_gives_nan_logits_and_keeps_the_kv_caches():
+    model = _small_model()
+    step = nnx.jit(lambda model, tokens: model(tokens, decode=True))
+    tokens = jnp.ones((2, 2), jnp.int32)
+    model.init_cache(2, 5)
+    for _ in range(2):  # 4 of the 5 positions filled
+        assert np.isfinite(step(model, tokens)).all()
+    keys = [np.asarray(slot.keys[...]) for slot in model.kv_caches]
+    assert np.isnan(step(model, tokens)).all()
+    for k, slot in zip(keys, model.kv_caches, strict=True):
+        assert np.array_equal(k, slot.keys[...])
+    assert np.isnan(step(model, tokens[:, :1])).all()  # it would fit, but the index moved on
+
+
+def test_token_ids_outside_the_vocabulary():
+    model = _small_model()
+    tokens = np.ones((2, 6), np.int32)
+    tokens[0, 2], tokens[1, 4] = 300, -1
+    for bad in (300, -1):
+        with pytest.raises(ValueError, match=rf"tokens must lie in \[0, 256\).*got {bad}"):
+            model(jnp.where(tokens == bad, bad, 1))
+    logits = nnx.jit(lambda model, tokens: model(tokens))(model, jnp.asarray(tokens))
+    assert np.array_equal(np.isnan(logits).any(-1), (tokens < 0) | (tokens >= 256))
+    assert np.isnan(logits[0, 2]).all() and np.isnan(logits[1, 4]).all()
+
+
+def test_generate_takes_zero_new_tokens_without_touching_the_model():
+    model = _small_model()
+    out = model.generate(jnp.ones((2, 3), jnp.int32), 0, rng=jax.random.key(0))
+    assert out.shape == (2, 0) and out.dtype == jnp.int32
+    assert model.kv_caches is None
+
+
+@pytest.mark.parametrize("kwargs, error, needle", [
+    (dict(prompt_tokens=jnp.ones((3,), jnp.int32)), ValueError, "prompt_tokens must be a"),
+    (dict(prompt_tokens=jnp.ones((2, 0), jnp.int32)), ValueError, "at least one token"),
+    (dict(prompt_tokens=jnp.ones((0, 3), jnp.int32)), ValueError, "at least one token"),
+    (dict(prompt_tokens=jnp.ones((2, 3))), TypeError, "prompt_tokens must be an integer"),
+    (dict(prompt_tokens=[[1, 2]]), TypeError, "prompt_tokens must be an integer array"),
+    (dict(prompt_tokens=jnp.full((2, 3), 256)), ValueError, r"prompt_tokens must lie in"),
+    (dict(prompt_tokens=jnp.full((2, 3), -1)), ValueError, r"prompt_tokens must lie in"),
+    (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be >= 0, got -1"),
+    (dict(max_new_tokens=2.0), TypeError, "max_new_tokens must be an int"),
+    (dict(max_new_tokens=True), TypeError, "max_new_tokens must be an int"),
+    (dict(temperature=-0.5), ValueError, "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), ValueError, "temperature must be a finite number >= 0"),
+    (dict(temperature=float("inf")), ValueError, "temperature must be a finite number >= 0"),
+    (dict(temperature=True), TypeError, "temperature must be a number"),
+    (dict(rng=0), TypeError, "rng must be a PRNG key"),
+    (dict(rng=jax.random.split(jax.random.key(0))), TypeError, "rng must be a PRNG key"),
+])
+def test_generate_checks_its_arguments(kwargs, error, needle):
+    model = _small_model()
+    arguments = dict(prompt_tokens=jnp.ones((2, 3), jnp.int32), max_new_tokens=2,
+                     temperature=1.0, rng=jax.random.key(0)) | kwargs
+    with pytest.raises(error, match=needle):
+        model.generate(arguments.pop("prompt_tokens"), arguments.pop("max_new_tokens"),
+                       **arguments)
+    assert model.kv_caches is None
+
+
+SIZES = ("vocab_size", "d_model", "num_layers", "shared_every", "num_heads", "num_kv_heads",
+         "head_dim", "mlp_hidden", "d_state", "headdim", "ngroups", "expand", "d_conv",
+         "chunk_size")
+
+
+@pytest.mark.parametrize("override, error, needle", [
+    *[({name: 0}, ValueError, f"{name} must be a positive int, got 0") for name in SIZES],
+    *[({name: -2}, ValueError, f"{name} must be a positive int, got -2") for name in SIZES[:3]],
+    ({"num_layers": True}, TypeError, "num_layers must be an int, got True"),
+    ({"d_model": 32.0}, TypeError, "d_model must be an int, got 32.0"),
+    ({"num_layers": 3}, ValueError, r"num_layers \(3\) must be a multiple of shared_every \(2\)"),
+    ({"num_kv_heads": 3}, ValueError, r"num_heads \(2\) must be divisible by num_kv_heads \(3\)"),
+    ({"headdim": 48}, ValueError, r"expand \* d_model \(64\) must be divisible by headdim \(48\)"),
+    ({"ngroups": 3}, ValueError, r"heads \(4\) must be divisible by ngroups \(3\)"),
+    ({"chunk_size": 24}, ValueError, "chunk_size must be a positive power of two, got 24"),
+    ({"head_dim": 15}, ValueError, "rotary embeddings .* need an even head dim, got 15"),
+    ({"rope_theta": 0.0}, ValueError, "rope_theta must be a finite number > 0 or None"),
+    ({"rope_theta": float("nan")}, ValueError, "rope_theta must be a finite number > 0"),
+    ({"rope_theta": -1e4}, ValueError, "rope_theta must be a finite number > 0"),
+    ({"dtype": jnp.int32}, TypeError, "dtype must be a floating dtype or None"),
+    ({"dtype": "fp8"}, TypeError, "dtype must be a floating dtype or None"),
+    ({"implementation": "cuda"}, ValueError, "implementation must be one of"),
+])
+def test_bad_configuration(override, error, needle):
+    with pytest.raises(error, match=needle):
+        HybridLMConfig(**{**SMALL, **override})
+
+
+def test_configuration_is_checked_on_replace_and_accepts_dtypes():
+    config = HybridLMConfig(**{**SMALL, "head_dim": 15}, rope_theta=None, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="rotary"):
+        dataclasses.replace(config, rope_theta=1e4)
+    with pytest.raises(TypeError, match="config must be a HybridLMConfig"):
+        HybridLM(dict(SMALL), rngs=nnx.Rngs(0))
+
+
+def test_presets_are_valid():
+    for name in ("tiny", "small", "zamba2-1.2b"):
+        HybridLMConfig.preset(name)
+    zamba = HybridLMConfig.preset("zamba2-1.2b")
+    assert zamba.num_layers == 36 and zamba.num_layers % zamba.shared_every == 0
+    with pytest.raises(ValueError, match=r"num_layers \(38\) must be a multiple of shared_every"):
+        HybridLMConfig.preset("zamba2-1.2b", num_layers=38)
     with pytest.raises(ValueError, match="preset"):
         HybridLMConfig.preset("huge")
-    model = HybridLM(HybridLMConfig(**SMALL), rngs=nnx.Rngs(0))
+
+
+def test_decode_needs_a_cache():
+    model = _small_model()
     with pytest.raises(ValueError, match="init_cache"):
         model(jnp.ones((1, 1), jnp.int32), decode=True)
 

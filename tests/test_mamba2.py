@@ -10,7 +10,7 @@ import pytest
 from ssd_cases import loss_and_grads, make_inputs, rel_error
 
 import pallas_kernels
-from pallas_kernels.mamba2 import common, preprocess, reference, segments, tuning
+from pallas_kernels.mamba2 import common, preprocess, reference, segments, semantics, tuning
 
 pallas = functools.partial(pallas_kernels.mamba_chunk_scan_combined, implementation="pallas")
 
@@ -166,8 +166,9 @@ def test_preprocess_kernel_matches_xla(heads, softplus, limit, bias):
     static = _static(block_t=q, heads=heads, num_chunks=t_pad // q, seq_len=t,
                      dt_softplus=softplus, dt_limit=limit)
     padded = jnp.pad(dt, ((0, 0), (0, t_pad - t), (0, 0)), constant_values=3.0)
-    step, s = preprocess.preprocess(padded, dt_bias, A, static=static)
-    step_ref = jnp.swapaxes(reference.preprocess_dt(dt, dt_bias, softplus, limit), 1, 2)
+    step, s = preprocess.preprocess(padded, dt_bias, A, None, static=static)
+    step_ref = semantics.step_sizes(dt, dt_bias, softplus, limit, jnp.float32)
+    step_ref = jnp.swapaxes(step_ref, 1, 2)
     step_ref = jnp.pad(step_ref, ((0, 0), (0, 0), (0, t_pad - t)))
     np.testing.assert_array_equal(np.asarray(step), np.asarray(step_ref))
     s_ref = common.chunk_log2_decays(step_ref, A, q)

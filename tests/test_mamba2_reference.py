@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.mamba2 import reference
+from pallas_kernels.mamba2 import reference, semantics
 
 BATCH, HEADS, HEAD_DIM, STATE_DIM = 2, 4, 8, 16
 LIMIT_DEFAULT = (0.0, float("inf"))
@@ -169,17 +169,17 @@ def test_chunked_matches_recurrence_float64(x64, case):
         assert rel_err(grads[name], grads_ref[name]) < 1e-10, name
 
 
-def test_dt_limit_clips_and_zeroes_gradient(x64):
-    dt = jnp.array([-1.0, 0.005, 0.1, 0.3])
-    clipped = reference.preprocess_dt(dt, dt_limit=LIMIT)
-    np.testing.assert_array_equal(clipped, [0.01, 0.01, 0.1, 0.2])
-    grad = jax.grad(lambda d: jnp.sum(reference.preprocess_dt(d, dt_limit=LIMIT)))(dt)
-    np.testing.assert_array_equal(grad, [0.0, 0.0, 1.0, 0.0])
-    # The default limit leaves dt as it is, as in mamba_ssm.
-    np.testing.assert_array_equal(reference.preprocess_dt(dt), dt)
+def test_step_sizes_clamp_always_and_zero_the_gradient_outside(x64):
+    dt = jnp.array([-1.0, 0.005, 0.01, 0.1, 0.2, 0.3])
+    clamped = semantics.step_sizes(dt, dt_limit=LIMIT)
+    np.testing.assert_array_equal(clamped, [0.01, 0.01, 0.01, 0.1, 0.2, 0.2])
+    grad = jax.grad(lambda d: jnp.sum(semantics.step_sizes(d, dt_limit=LIMIT)))(dt)
+    np.testing.assert_array_equal(grad, [0.0, 0.0, 1.0, 1.0, 1.0, 0.0])  # 1 on the limits
+    # The default limit (0, inf) clamps too, as mamba_ssm's kernels: a negative dt' becomes 0.
+    np.testing.assert_array_equal(semantics.step_sizes(dt), [0.0, 0.005, 0.01, 0.1, 0.2, 0.3])
     u = jnp.array([-30.0, 0.0, 19.0, 25.0])
     expected = np.where(np.asarray(u) > 20, u, np.log1p(np.exp(np.asarray(u))))
-    np.testing.assert_allclose(reference.preprocess_dt(u, dt_softplus=True), expected, rtol=1e-14)
+    np.testing.assert_allclose(semantics.step_sizes(u, dt_softplus=True), expected, rtol=1e-14)
 
 
 def test_selective_state_update_steps_match_recurrence(x64):

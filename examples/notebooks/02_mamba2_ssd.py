@@ -39,7 +39,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import pallas_kernels
-from pallas_kernels.mamba2 import reference
+from pallas_kernels.mamba2 import reference, semantics
 
 # float32 matmuls at full precision, so the references are exact (no TF32 on a GPU).
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -164,7 +164,7 @@ def ssd_chunked_one_head(x, delta, a_h, Bm, Cm, d_h, chunk):
     return y, final, states_in, L
 
 
-delta = reference.preprocess_dt(dt, dt_bias, dt_softplus=True)  # Δ = softplus(dt + dt_bias)
+delta = semantics.step_sizes(dt, dt_bias, dt_softplus=True)  # Δ = softplus(dt + dt_bias)
 group_of = jnp.arange(H) // (H // G)  # head h reads the B, C of group h // (H / G)
 chunked = jax.vmap(ssd_chunked_one_head, in_axes=(1, 1, 0, 1, 1, 0, None))(
     x[0], delta[0], A, Bm[0][:, group_of], Cm[0][:, group_of], D, CHUNK

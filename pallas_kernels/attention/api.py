@@ -3,18 +3,20 @@
 A call flows: argument checks (before anything is traced) -> implementation choice ("xla" runs
 `reference.py`, "pallas" the kernels) -> padding to whole blocks and a power-of-two head dim ->
 `_flash_attention`, a `jax.custom_vjp` whose forward saves q, k, v, out and lse and whose backward
-runs the dK/dV and dQ kernels.
+runs the dK/dV and dQ kernels. The backward is itself differentiable: its derivatives (second
+order) are those of the reference's backward (`_kernel_gradients`).
 """
 
 import dataclasses
 import functools
+import math
 import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _derivatives
 from pallas_kernels.attention import backward, common, forward, masking, reference, tuning
 
 IMPLEMENTATIONS = ("pallas", "xla")
@@ -45,16 +47,17 @@ def dot_product_attention(
       query: (B, T, N, H) or, without batch, (T, N, H); bfloat16, float16 or float32.
       key, value: (B, S, K, H) or (S, K, H), the query's dtype, with N % K == 0 (K < N is GQA,
         K == 1 MQA; key/value heads are never repeated in memory).
-      scale: logit scale; default 1/sqrt(H).
+      scale: logit scale, a finite number > 0; default 1/sqrt(H).
       is_causal: query i sees keys j <= i, aligned top-left as in jax.nn (when T != S, query 0
         sees key 0), not bottom-right as in FlashAttention's own API.
-      local_window_size: int w or (left, right): query i sees keys in [i - left, i + right]
-        (w means (w, w)); combined with `is_causal` the right side is at most 0.
-      q_segment_ids, kv_segment_ids: (B, T) and (B, S) integers, given together: a query sees
-        only keys of the same segment (packed documents).
+      local_window_size: int w or (left, right), >= 0: query i sees keys in [i - left,
+        i + right] (w means (w, w)); combined with `is_causal` the right side is at most 0.
+      q_segment_ids, kv_segment_ids: (B, T) and (B, S) integers of any width, given together:
+        a query sees only keys of the same segment (packed documents).
       query_seq_lengths, key_value_seq_lengths: (B,) integers: only the first q_len queries and
-        kv_len keys of each batch row take part.
-      logits_soft_cap: c > 0 replaces each logit x by c * tanh(x / c) (after scaling).
+        kv_len keys of each batch row take part. The rest are never read into a product, so
+        they may hold anything (stale cache slots, NaN): they get output 0 and zero gradients.
+      logits_soft_cap: a finite c > 0 replaces each logit x by c * tanh(x / c) (after scaling).
       implementation: "pallas" (the kernels), "xla" (the pure-jnp reference, quadratic memory)
         or None (the kernels on GPU, the reference elsewhere).
       return_residual: also return the log-sum-exp of the logits, (B, T, N) float32, natural log.
@@ -65,6 +68,10 @@ def dot_product_attention(
       The output, shaped and typed as the query (accumulation is float32), and with
       `return_residual` the tuple (output, lse). A query that sees no key gets output 0, lse
       -inf and zero gradients.
+
+    Second-order derivatives (grad of grad, `jax.hessian`) work on both paths; on the Pallas
+    path the first derivatives come from the kernels and the second from the reference
+    (quadratic memory).
     """
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     batched = _check_arrays(query, key, value)
@@ -75,22 +82,20 @@ def dot_product_attention(
     segments = _check_segment_ids(q_segment_ids, kv_segment_ids, batch, t, s, batched)
     q_len = _check_lengths("query_seq_lengths", query_seq_lengths, batch, t, batched)
     kv_len = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, s, batched)
-    scale = _check_scale(scale, h)
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-    band = masking.band(is_causal, _check_window(local_window_size))
-    if logits_soft_cap is not None:
-        if not isinstance(logits_soft_cap, numbers.Real) or not logits_soft_cap > 0:
-            raise ValueError(f"logits_soft_cap must be a number > 0, got {logits_soft_cap!r}")
-        logits_soft_cap = float(logits_soft_cap)
+    scale = _check_positive("scale", scale, default=h**-0.5)
+    is_causal = _check_bool("is_causal", is_causal)
+    return_residual = _check_bool("return_residual", return_residual)
+    local_window_size = check_window(local_window_size)
+    band = masking.band(is_causal, local_window_size)
+    logits_soft_cap = check_soft_cap(logits_soft_cap)
     if implementation not in (None, *IMPLEMENTATIONS):
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
         )
     if block_sizes is not None and not isinstance(block_sizes, tuning.BlockSizes):
         raise TypeError(f"block_sizes must be a tuning.BlockSizes, got {type(block_sizes)}")
-    if interpret is not None and not isinstance(interpret, bool):
-        raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    if interpret is not None:
+        interpret = _check_bool("interpret", interpret)
     if implementation is None:
         implementation = "pallas" if _compat.targets_gpu() else "xla"
     if implementation == "pallas" and h > MAX_HEAD_DIM:
@@ -155,56 +160,96 @@ def _check_arrays(query, key, value):
 
 
 def _check_int_array(name, x, shape, batched):
+    """x as a (B, ...) integer array of its own width; a TypeError or ValueError naming it."""
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array, got {x.dtype}")
     want = shape if batched else shape[1:]
     if x.shape != want:
         raise ValueError(f"{name} must have shape {want}, got {x.shape}")
-    x = x.astype(jnp.int32)
     return x if batched else x[None]
 
 
 def _check_segment_ids(q_segment_ids, kv_segment_ids, batch, t, s, batched):
+    """(q ids, kv ids) as int32, or None. Ids wider than int32 (int64 under x64) are replaced
+    by their ranks among the row's ids, which keeps equality and order exactly (a cast would
+    merge 2**32 with 0)."""
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
     if q_segment_ids is None:
         return None
-    return (
-        _check_int_array("q_segment_ids", q_segment_ids, (batch, t), batched),
-        _check_int_array("kv_segment_ids", kv_segment_ids, (batch, s), batched),
-    )
+    q_ids = _check_int_array("q_segment_ids", q_segment_ids, (batch, t), batched)
+    kv_ids = _check_int_array("kv_segment_ids", kv_segment_ids, (batch, s), batched)
+    if max(q_ids.dtype.itemsize, kv_ids.dtype.itemsize) <= 4:
+        return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    dtype = jnp.promote_types(q_ids.dtype, kv_ids.dtype)
+    ranks = _dense_ranks(jnp.concatenate([q_ids.astype(dtype), kv_ids.astype(dtype)], axis=1))
+    return ranks[:, :t], ranks[:, t:]
+
+
+def _dense_ranks(ids):
+    """(B, L) int32 ranks of each row's distinct values: equal ids get equal ranks, in order."""
+    order = jnp.argsort(ids, axis=1)
+    ordered = jnp.take_along_axis(ids, order, axis=1)
+    new = jnp.concatenate(
+        [jnp.zeros_like(ordered[:, :1], bool), ordered[:, 1:] != ordered[:, :-1]], axis=1)
+    ranks_in_order = jnp.cumsum(new, axis=1, dtype=jnp.int32)
+    return jnp.zeros(ids.shape, jnp.int32).at[jnp.arange(ids.shape[0])[:, None], order].set(
+        ranks_in_order)
 
 
 def _check_lengths(name, lengths, batch, length, batched):
+    """Lengths (B,) clipped to [0, length] at their own width, then int32; or None."""
     if lengths is None:
         return None
     if not batched:
         raise ValueError(f"{name} needs batched (rank 4) inputs")
-    return jnp.clip(_check_int_array(name, lengths, (batch,), True), 0, length)
+    return jnp.clip(_check_int_array(name, lengths, (batch,), True), 0, length).astype(jnp.int32)
 
 
-def _check_scale(scale, head_dim):
-    if scale is None:
-        return head_dim**-0.5
-    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a Python number, got {type(scale)}")
-    return float(scale)
+def _check_bool(name, value):
+    """value as a Python bool; a TypeError unless it is a Python or numpy bool."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
 
 
-def _check_window(window):
+def _check_positive(name, value, *, default):
+    """A finite Python number > 0 as a float (`default` for None); TypeError for a non-number
+    or a bool, ValueError for zero, a negative, NaN or an infinity."""
+    if value is None:
+        return default
+    if not isinstance(value, numbers.Real) or isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_window(window):
+    """`local_window_size` checked and normalised: None or a (left, right) pair of ints >= 0.
+
+    Sides beyond `masking.MAX_WINDOW` (longer than any sequence the kernels take) are clipped
+    to it, which sees the same keys. Shared with the Flax layers' decode path.
+    """
     if window is None:
         return None
-    sides = (window, window) if isinstance(window, int) else window
+    sides = (window, window) if isinstance(window, int | np.integer) else window
     if (
         not isinstance(sides, tuple | list)
         or len(sides) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) for w in sides)
+        or not all(isinstance(w, int | np.integer) and not isinstance(w, bool | np.bool_)
+                   for w in sides)
     ):
         raise TypeError(f"local_window_size must be an int or a (left, right) pair, got {window!r}")
     if min(sides) < 0:
         raise ValueError(f"local_window_size must not be negative, got {window!r}")
-    return tuple(sides)
+    return tuple(min(int(w), masking.MAX_WINDOW) for w in sides)
+
+
+def check_soft_cap(logits_soft_cap):
+    """`logits_soft_cap` checked: None or a finite float > 0. Shared with the Flax layers."""
+    return _check_positive("logits_soft_cap", logits_soft_cap, default=None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,6 +299,8 @@ def _pallas_attention(
             or kv_len is not None or t_pad != t or s_pad != s
         ),
         interpret=interpret,
+        has_q_len=q_len is not None,
+        has_kv_len=kv_len is not None,
     )
     config = _Config(static, blocks, (batch, t, s))
 
@@ -296,18 +343,49 @@ def _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, kernel):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
     """(out (B, Tp, N, Dp), lse (B, N, Tp)) of padded inputs; see `forward.forward`."""
-    return _flash_attention_fwd(config, q, k, v, q_seg, kv_seg, q_len, kv_len)[0]
+    return _kernel_forward(config, q, k, v, q_seg, kv_seg, q_len, kv_len)
 
 
 def _flash_attention_fwd(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
-    table = _tables(config, q.shape[1], k.shape[1], q_seg, kv_seg, q_len, kv_len, "forward")
-    out, lse = forward.forward(
-        q, k, v, q_seg, kv_seg, table, static=config.static, blocks=config.blocks.forward
-    )
+    out, lse = _kernel_forward(config, q, k, v, q_seg, kv_seg, q_len, kv_len)
     return (out, lse), (q, k, v, q_seg, kv_seg, q_len, kv_len, out, lse)
 
 
+# Second order (`_derivatives`): the forward rule and the backward keep their kernel values and
+# take the tangents of the reference (`_reference_attention`, quadratic memory). In the
+# backward's, out and lse (functions of q, k, v) get zero partials: the reference recomputes
+# them, so every total derivative is still exact.
+
+
+def _forward_kernel(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
+    """(out, lse) of `_flash_attention` from the forward kernel."""
+    table = _tables(config, q.shape[1], k.shape[1], q_seg, kv_seg, q_len, kv_len, "forward")
+    return forward.forward(
+        q, k, v, q_seg, kv_seg, table, static=config.static, blocks=config.blocks.forward
+    )
+
+
+def _reference_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
+    """What `_flash_attention` computes, by `reference.banded_attention` on the padded
+    arguments, whose padding rows lie past the lengths (as in the kernels' tables)."""
+    batch, t, s = config.shape
+    static = config.static
+    out, lse = reference.banded_attention(
+        q, k, v, scale=static.scale, band=static.band, q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
+        query_seq_lengths=jnp.full((batch,), t, jnp.int32) if q_len is None else q_len,
+        key_value_seq_lengths=jnp.full((batch,), s, jnp.int32) if kv_len is None else kv_len,
+        logits_soft_cap=static.logits_soft_cap, return_residual=True,
+    )
+    return out, jnp.swapaxes(lse, 1, 2)
+
+
 def _flash_attention_bwd(config, residuals, cotangents):
+    return _kernel_gradients(config, residuals, cotangents)
+
+
+def _backward_kernels(config, residuals, cotangents):
+    """The gradients of `_flash_attention`'s q, k, v, from the backward kernels."""
     q, k, v, q_seg, kv_seg, q_len, kv_len, out, lse = residuals
     dout, dlse = cotangents
     t_pad, s_pad = q.shape[1], k.shape[1]
@@ -325,4 +403,14 @@ def _flash_attention_bwd(config, residuals, cotangents):
     return dq, dk, dv, None, None, None, None
 
 
+def _reference_gradients(config, residuals, cotangents):
+    """`_backward_kernels` by differentiating `_reference_attention`."""
+    q, k, v, q_seg, kv_seg, q_len, kv_len, _, _ = residuals
+    _, vjp = jax.vjp(lambda q, k, v: _reference_attention(config, q, k, v, q_seg, kv_seg,
+                                                          q_len, kv_len), q, k, v)
+    return (*vjp(cotangents), None, None, None, None)
+
+
+_kernel_forward = _derivatives.reference_tangents(_forward_kernel, _reference_attention)
+_kernel_gradients = _derivatives.reference_tangents(_backward_kernels, _reference_gradients)
 _flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)

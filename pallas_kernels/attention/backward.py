@@ -45,6 +45,8 @@ def _dkv_kernel(
             dk, dv = carry
             q = q_ref[common.ds(i, block_q), g, :]
             do = do_ref[common.ds(i, block_q), g, :]
+            if masked and static.has_q_len:
+                q, do = common.zero_past(table_ref, masking.COL_LEN, i * block_q, q, do)
             lse2 = lse_ref[g, common.ds(i, block_q)] * common.LOG2E
             delta = delta_ref[g, common.ds(i, block_q)]
             scores_t = jnp.dot(k, q.T, preferred_element_type=jnp.float32)  # (block_k, block_q)
@@ -61,6 +63,8 @@ def _dkv_kernel(
             dlogits_t = probs_t * (dprobs_t - delta[None, :])
             if static.logits_soft_cap is not None:
                 dlogits_t *= common.soft_cap_derivative(logits_t, static)
+            if masked:  # a masked pair's dprobs or delta may be NaN: select, not 0 x NaN
+                dlogits_t = jnp.where(mask, dlogits_t, 0.0)
             dk += jnp.dot(dlogits_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
             return dk, dv
 
@@ -89,6 +93,8 @@ def _dq_kernel(
     def step(j, dq, masked):
         k = k_ref[common.ds(j, block_k), :]
         v = v_ref[common.ds(j, block_k), :]
+        if masked and static.has_kv_len:  # (v's NaN dprobs are masked out of dlogits)
+            (k,) = common.zero_past(table_ref, masking.COL_LEN, j * block_k, k)
         scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
         logits, probs = _probabilities(scores, lse2[:, None], static)
         if masked:
@@ -102,6 +108,8 @@ def _dq_kernel(
         dlogits = probs * (dprobs - delta[:, None])
         if static.logits_soft_cap is not None:
             dlogits *= common.soft_cap_derivative(logits, static)
+        if masked:  # a masked pair's dprobs or delta may be NaN: select, not 0 x NaN
+            dlogits = jnp.where(mask, dlogits, 0.0)
         return dq + jnp.dot(dlogits.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
     dq = common.visit_blocks(table_ref, step, jnp.zeros(q.shape, jnp.float32), static)

@@ -19,7 +19,9 @@ class Static:
     """Everything about a call that is not an array: hashable, so it can key jit and custom_vjp.
 
     `band` is the visible diagonal band of ``j - i`` (see `masking`); `groups` = N // K query
-    heads per key/value head; `has_segments` says whether segment-id arrays are passed.
+    heads per key/value head; `has_segments` says whether segment-id arrays are passed;
+    `has_q_len` / `has_kv_len` whether query / key-value lengths are (then the masked tiles
+    zero the rows past them: `zero_past`).
     """
 
     scale: float
@@ -29,6 +31,8 @@ class Static:
     has_segments: bool
     may_mask: bool  # False when no pair can be masked: the kernels then skip the masked loops
     interpret: bool
+    has_q_len: bool = False
+    has_kv_len: bool = False
 
 
 def base2_logits(scores, static: Static):
@@ -55,6 +59,18 @@ def block_mask(table_ref, row_start, rows, col_start, cols, static, band, row_se
         row_segments=None if row_seg is None else row_seg[:, None],
         col_segments=None if col_seg is None else col_seg[None, :],
     )
+
+
+def zero_past(table_ref, length_column, start, *blocks):
+    """Blocks (rows, D) of consecutive positions from `start`, with the rows at or past the
+    table's length (`masking.ROW_LEN` or `COL_LEN`) set to zero.
+
+    Those positions are masked for every pair, so their values must never reach an output, not
+    even as 0 x NaN in a matmul: stale cache slots and padding may hold anything.
+    """
+    rows = blocks[0].shape[0]
+    valid = (start + jnp.arange(rows, dtype=jnp.int32) < table_ref[length_column])[:, None]
+    return tuple(jnp.where(valid, block, jnp.zeros_like(block)) for block in blocks)
 
 
 def visit_blocks(table_ref, step, carry, static: Static):

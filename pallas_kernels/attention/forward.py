@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.attention import common
+from pallas_kernels.attention import common, masking
 
 
 def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, static, block_q, block_k, num_q_blocks):
@@ -28,6 +28,8 @@ def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, static, block_q, bloc
         acc, row_max, row_sum = carry
         k = k_ref[common.ds(j, block_k), :]
         v = v_ref[common.ds(j, block_k), :]
+        if masked and static.has_kv_len:  # (k's NaN logits are masked out before the exp)
+            (v,) = common.zero_past(table_ref, masking.COL_LEN, j * block_k, v)
         logits = common.base2_logits(
             jnp.dot(q, k.T, preferred_element_type=jnp.float32), static
         )

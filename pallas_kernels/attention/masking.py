@@ -18,6 +18,7 @@ LO, HI, FULL_LO, FULL_HI, ROW_LEN, COL_LEN = range(6)
 TABLE_WIDTH = 8  # a power of two, as Triton requires of every in-kernel array
 
 _OPEN = 1 << 30  # stands in for an unbounded band side in integer block arithmetic
+MAX_WINDOW = _OPEN  # window sides are clipped to it: no sequence is that long
 
 
 def band(is_causal, local_window_size):

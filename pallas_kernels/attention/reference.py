@@ -40,20 +40,43 @@ def dot_product_attention(
     float32 accumulation and the probabilities rounded to it, the baseline that a low-precision
     kernel's error is measured against.
     """
+    return banded_attention(
+        query, key, value, scale=query.shape[-1] ** -0.5 if scale is None else scale,
+        band=masking.band(is_causal, local_window_size), q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap,
+        return_residual=return_residual, upcast=upcast,
+    )
+
+
+def banded_attention(
+    query, key, value, *, scale, band, q_segment_ids=None, kv_segment_ids=None,
+    query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None,
+    return_residual=False, upcast=True,
+):
+    """`dot_product_attention` with the causal mask and window given as `masking.band`'s band.
+
+    Queries past `query_seq_lengths` and keys past `key_value_seq_lengths` are selected away
+    before any product (as the kernels do), so whatever they hold, even NaN, never reaches an
+    output or a gradient.
+    """
     batch, t, n, h = query.shape
     s, k_heads = key.shape[1], key.shape[2]
-    scale = h**-0.5 if scale is None else scale
     operand_dtype = jnp.float32 if upcast else query.dtype
     matmul = functools.partial(
         jnp.einsum, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
     )
+    if query_seq_lengths is not None:
+        query = _zero_past(query, query_seq_lengths)
+    if key_value_seq_lengths is not None:
+        key, value = (_zero_past(x, key_value_seq_lengths) for x in (key, value))
     q = query.astype(operand_dtype).reshape(batch, t, k_heads, n // k_heads, h)
     logits = matmul("btkgh,bskh->bkgts", q, key.astype(operand_dtype)) * scale
     if logits_soft_cap is not None:
         logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     visible = masking.dense_mask(
         t, s,
-        band=masking.band(is_causal, local_window_size),
+        band=band,
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
         query_seq_lengths=query_seq_lengths,
@@ -69,7 +92,15 @@ def dot_product_attention(
     probs = weights / row_sum
     out = matmul("bkgts,bskh->btkgh", probs.astype(operand_dtype), value.astype(operand_dtype))
     out = out.reshape(batch, t, n, h).astype(query.dtype)
+    if query_seq_lengths is not None:  # a NaN cotangent of a masked row stays there too
+        out = _zero_past(out, query_seq_lengths)
     if not return_residual:
         return out
     lse = jnp.where(empty, -jnp.inf, jnp.log(row_sum) + row_max)[..., 0]  # (B, K, G, T)
     return out, jnp.moveaxis(lse.reshape(batch, n, t), 1, 2)
+
+
+def _zero_past(x, lengths):
+    """x (B, L, ...) with the positions at or past lengths (B,) set to zero (selected)."""
+    valid = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
+    return jnp.where(valid.reshape(*valid.shape, *[1] * (x.ndim - 2)), x, jnp.zeros_like(x))

@@ -3,9 +3,10 @@
 A call flows: argument checks (before anything is traced) -> implementation choice ("xla" runs
 the chunked jnp reference, "pallas" the kernels) -> padding in XLA -> `_ssd`, a
 `jax.custom_vjp` over the kernels: its forward runs the dt preprocessing kernel (softplus, bias,
-clip, in-chunk log2 cumsum: `preprocess`) and the forward scan, and saves x, dt, dt', s, A, B, C,
+clamp, in-chunk log2 cumsum: `preprocess`) and the forward scan, and saves x, dt, dt', s, A, B, C,
 D, z, h0 and the pre-gate output; its backward recomputes the chunk states and differentiates the
-dt preprocessing through `reference.preprocess_dt`.
+dt preprocessing through `semantics.step_sizes`. The backward is itself differentiable: its
+derivatives (second order) are those of the reference's backward (`_kernel_gradients`).
 """
 
 import functools
@@ -14,8 +15,9 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _derivatives
 from pallas_kernels.attention.tuning import pow2_at_least
 from pallas_kernels.mamba2 import (
     backward,
@@ -23,6 +25,7 @@ from pallas_kernels.mamba2 import (
     forward,
     preprocess,
     reference,
+    semantics,
     state_update,
     tuning,
 )
@@ -44,7 +47,7 @@ def mamba_chunk_scan_combined(
     initial_states=None,
     seq_idx=None,
     dt_softplus=False,
-    dt_limit=(0.0, float("inf")),
+    dt_limit=semantics.DEFAULT_DT_LIMIT,
     return_final_states=False,
     *,
     implementation=None,
@@ -53,25 +56,35 @@ def mamba_chunk_scan_combined(
     """Mamba2's chunked selective scan (SSD), differentiable in every array argument.
 
     Token by token, for batch row b, head h and its group g = h // (H // G):
-    dt' = clip(softplus(dt + dt_bias)) (softplus only with `dt_softplus`, identity above 20; the
-    clip to `dt_limit` has zero gradient where active); h_t = exp(dt'_t A_h) h_{t-1} +
-    dt'_t x_t B_t^T; y_t = h_t C_t + D x_t; y_t *= silu(z_t). The state resets to zero where
-    `seq_idx` changes; `initial_states` feed the first sequence of each row.
+    dt' = clamp(softplus(dt + dt_bias), *dt_limit) (softplus only with `dt_softplus`, identity
+    above 20; the clamp always applies, (0, inf) by default, and has zero gradient where
+    active); h_t = exp(dt'_t A_h) h_{t-1} + dt'_t x_t B_t^T; y_t = h_t C_t + D x_t; y_t *=
+    silu(z_t). The state resets to zero wherever `seq_idx` changes from one token to the next;
+    `initial_states` feed the first sequence of each row. `semantics` defines each of these.
 
     Args:
-      x: (b, T, H, P); dt: (b, T, H); A: (H,), negative; B, C: (b, T, G, N) with H % G == 0.
+      x: (b, T, H, P); dt: (b, T, H); A: (H,), <= 0 (a ValueError where its value is known;
+        under jit a positive entry acts as 0); B, C: (b, T, G, N) with H % G == 0.
       chunk_size: a power of two (mamba_ssm uses 64-256). The SSD result does not depend on it;
         the kernels use min(chunk_size, the tuned tile).
       D: (H,) or (H, P); z: (b, T, H, P); dt_bias: (H,); initial_states: (b, H, P, N);
-      seq_idx: (b, T) integers, contiguous runs marking packed sequences.
-      return_final_states: also return the state after the last token, (b, H, P, N) float32.
+      seq_idx: (b, T) integers of any width; a new sequence starts wherever the id changes.
+      dt_softplus: a bool. dt_limit: (low, high) with 0 <= low <= high, low finite.
+      return_final_states: also return the state after the last token, (b, H, P, N) float32
+        (float64 for float64 inputs under x64, on both paths).
       implementation: "pallas", "xla" (chunked jnp reference) or None (pallas on GPU, else xla).
       interpret: run the Pallas kernels in interpret mode; None: when not on a GPU.
 
     Returns:
       y (b, T, H, P) in x's dtype, or (y, final_states) with `return_final_states`.
+
+    Second-order derivatives (grad of grad, `jax.hessian`) work on both paths; on the Pallas
+    path the first derivatives come from the kernels and the second from the reference.
     """
-    _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
+    _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
+    dt_softplus = _check_bool("dt_softplus", dt_softplus)
+    return_final_states = _check_bool("return_final_states", return_final_states)
+    dt_limit = check_dt_limit(dt_limit)
     implementation, interpret = _choose(implementation, interpret)
     if implementation == "xla":
         return reference.mamba_chunk_scan_combined(
@@ -79,44 +92,49 @@ def mamba_chunk_scan_combined(
             initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
             dt_limit=dt_limit, return_final_states=return_final_states,
         )
-    y, final = _pallas_ssd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                           dt_softplus, tuple(dt_limit), interpret)
+    y, final = _pallas_ssd(x, dt, semantics.decay_rates(A), B, C, chunk_size, D, z, dt_bias,
+                           initial_states, seq_idx, dt_softplus, dt_limit, interpret)
+    final = final.astype(semantics.compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states))
     return (y, final) if return_final_states else y
 
 
 def selective_state_update(
-    state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, *,
-    implementation=None, interpret=None,
+    state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+    dt_limit=semantics.DEFAULT_DT_LIMIT, *, implementation=None, interpret=None,
 ):
     """One decode step (mamba_ssm's `selective_state_update`), functional and differentiable.
 
-    h' = exp(dt' A) h + dt' x B^T; y = h' C + D x; y *= silu(z), with dt' = softplus(dt +
-    dt_bias) when `dt_softplus` (no clip, as in mamba_ssm). Stepping it over a sequence gives the
-    outputs and final state of `mamba_chunk_scan_combined`.
+    h' = exp(dt' A) h + dt' x B^T; y = h' C + D x; y *= silu(z), with dt' = clamp(softplus?(dt
+    + dt_bias), *dt_limit) as in `mamba_chunk_scan_combined` (mamba_ssm's step has no dt_limit;
+    the default clamp to (0, inf) makes stepping equal the scan). Stepping it over a sequence
+    gives the outputs and final state of `mamba_chunk_scan_combined`.
 
     Args:
-      state: (b, H, P, N); x: (b, H, P); dt: (b, H); A: (H,); B, C: (b, G, N) with H % G == 0;
-      D: (H,) or (H, P); z: (b, H, P); dt_bias: (H,).
-      implementation, interpret: as for `mamba_chunk_scan_combined`.
+      state: (b, H, P, N); x: (b, H, P); dt: (b, H); A: (H,), <= 0; B, C: (b, G, N) with
+      H % G == 0; D: (H,) or (H, P); z: (b, H, P); dt_bias: (H,).
+      dt_softplus, dt_limit, implementation, interpret: as for `mamba_chunk_scan_combined`.
 
     Returns:
       (y (b, H, P) in x's dtype, new_state (b, H, P, N) float32).
     """
     _check_step(state, x, dt, A, B, C, D, z, dt_bias)
+    dt_softplus = _check_bool("dt_softplus", dt_softplus)
+    dt_limit = check_dt_limit(dt_limit)
     implementation, interpret = _choose(implementation, interpret)
     if implementation == "xla":
         return reference.selective_state_update(
-            state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus
+            state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
         )
-    return _pallas_step(dt_softplus, interpret, state, x, dt, A, B, C, D, z, dt_bias)
+    return _pallas_step(dt_softplus, dt_limit, interpret, state, x, dt, A, B, C, D, z, dt_bias)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _pallas_step(dt_softplus, interpret, state, x, dt, A, B, C, D, z, dt_bias):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _pallas_step(dt_softplus, dt_limit, interpret, state, x, dt, A, B, C, D, z, dt_bias):
     b, h, p, n = state.shape
     p_pad, n_pad = pow2_at_least(p), pow2_at_least(n)
-    dt_step = reference.preprocess_dt(dt, dt_bias, dt_softplus).astype(jnp.float32)
-    decay = jnp.exp(jnp.minimum(dt_step * A.astype(jnp.float32), 0.0))
+    dt_step = semantics.step_sizes(dt, dt_bias, dt_softplus, dt_limit, jnp.float32)
+    decay = jnp.exp(dt_step * semantics.decay_rates(A.astype(jnp.float32)))
     if D is not None:
         D = jnp.broadcast_to(D.astype(jnp.float32)[:, None] if D.ndim == 1 else D, (h, p))
         D = _pad(D.astype(jnp.float32), (None, p_pad))
@@ -133,13 +151,14 @@ def _pallas_step(dt_softplus, interpret, state, x, dt, A, B, C, D, z, dt_bias):
     return y[:, :, :p], new_state[:, :, :p, :n]
 
 
-def _pallas_step_fwd(dt_softplus, interpret, *args):
-    return _pallas_step(dt_softplus, interpret, *args), args
+def _pallas_step_fwd(dt_softplus, dt_limit, interpret, *args):
+    return _pallas_step(dt_softplus, dt_limit, interpret, *args), args
 
 
-def _pallas_step_bwd(dt_softplus, interpret, args, cotangents):
+def _pallas_step_bwd(dt_softplus, dt_limit, interpret, args, cotangents):
     # One step is cheap: differentiate the jnp reference (same function) instead of a kernel.
-    step = functools.partial(reference.selective_state_update, dt_softplus=dt_softplus)
+    step = functools.partial(reference.selective_state_update, dt_softplus=dt_softplus,
+                             dt_limit=dt_limit)
     return jax.vjp(step, *args)[1](cotangents)
 
 
@@ -151,8 +170,8 @@ def _choose(implementation, interpret):
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
         )
-    if interpret is not None and not isinstance(interpret, bool):
-        raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    if interpret is not None:
+        interpret = _check_bool("interpret", interpret)
     on_gpu = _compat.targets_gpu()
     if implementation is None:
         implementation = "pallas" if on_gpu else "xla"
@@ -167,6 +186,38 @@ def _shape_error(name, want, got):
     return ValueError(f"{name} must have shape {want}, got {got}")
 
 
+def _check_bool(name, value):
+    """value as a Python bool; a TypeError unless it is a Python or numpy bool."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def check_dt_limit(dt_limit):
+    """dt_limit as a (low, high) tuple of floats with 0 <= low <= high, low finite (high may be
+    inf), else a ValueError. Shared with the Flax Mamba2 layer."""
+    if (
+        not isinstance(dt_limit, tuple | list) or len(dt_limit) != 2
+        or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in dt_limit)
+    ):
+        raise ValueError(f"dt_limit must be a (low, high) pair of numbers, got {dt_limit!r}")
+    low, high = (float(v) for v in dt_limit)
+    if not (math.isfinite(low) and 0.0 <= low <= high):  # NaN fails every comparison
+        raise ValueError(
+            f"dt_limit must have 0 <= low <= high with a finite low (high may be inf), got "
+            f"{dt_limit!r}"
+        )
+    return low, high
+
+
+def _check_decay_rates(A):
+    """A ValueError if A's value is known and any entry is positive or NaN."""
+    value = _compat.concrete_value(A)
+    if value is not None and not np.all(value <= 0):
+        bad = value[~(value <= 0)]
+        raise ValueError(f"A must be <= 0 (a decay rate), got entries {bad[:4].tolist()}")
+
+
 def _check_floats(arrays):
     for name, value in arrays.items():
         if value is None:
@@ -177,7 +228,7 @@ def _check_floats(arrays):
             raise TypeError(f"{name} must be a float array, got {value.dtype}")
 
 
-def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit):
+def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx):
     _check_floats(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                        initial_states=initial_states))
     if x.ndim != 4:
@@ -194,9 +245,12 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, d
     g, n = B.shape[2:]
     if g == 0 or h % g:
         raise ValueError(f"heads ({h}) must be a multiple of B's groups ({g})")
+    if n == 0:
+        raise ValueError(f"B's state size N must not be 0, got {B.shape}")
     if C.shape != B.shape:
         raise _shape_error("C", B.shape, C.shape)
-    if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+    if (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+            or chunk_size & (chunk_size - 1)):
         raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
     if D is not None and D.shape not in ((h,), (h, p)):
         raise ValueError(f"D must have shape ({h},) or ({h}, {p}), got {D.shape}")
@@ -212,14 +266,9 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, d
             raise TypeError(f"seq_idx must be an integer array, got {got}")
         if seq_idx.shape != (b, t):
             raise _shape_error("seq_idx", (b, t), seq_idx.shape)
-    if (
-        not isinstance(dt_limit, tuple | list) or len(dt_limit) != 2
-        or not all(isinstance(v, numbers.Real) for v in dt_limit)
-        or not dt_limit[0] <= dt_limit[1]
-    ):
-        raise ValueError(f"dt_limit must be a (low, high) pair with low <= high, got {dt_limit!r}")
     if n > 256 or p > 256:
         raise ValueError(f"state size N and head dim P must be at most 256, got N={n}, P={p}")
+    _check_decay_rates(A)
 
 
 def _check_step(state, x, dt, A, B, C, D, z, dt_bias):
@@ -239,6 +288,7 @@ def _check_step(state, x, dt, A, B, C, D, z, dt_bias):
             raise _shape_error(name, shape, arrays[name].shape)
     if D is not None and D.shape not in ((h,), (h, p)):
         raise ValueError(f"D must have shape ({h},) or ({h}, {p}), got {D.shape}")
+    _check_decay_rates(A)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +347,7 @@ def _pallas_ssd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_i
         None if initial_states is None else _pad(
             initial_states.astype(jnp.float32), (None, None, p_pad, n_pad)
         ),
-        None if seq_idx is None else _pad(seq_idx.astype(jnp.int32), (None, t_pad), "edge"),
+        None if seq_idx is None else _pad(semantics.sequence_runs(seq_idx), (None, t_pad), "edge"),
     )
     return y[:, :t, :, :p], final[:, :, :p, :n]
 
@@ -305,23 +355,61 @@ def _pallas_ssd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_i
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ssd(static, x, dt, dt_bias, A, B, C, D, z, h0, seq):
     """(y, final) of padded inputs; dt (b, Tp, H) raw. See `forward.forward`."""
-    return _forward(static, x, dt, dt_bias, A, B, C, D, z, h0, seq, save_entries=False)[0]
+    return _forward(static, False, x, dt, dt_bias, A, B, C, D, z, h0, seq)[0]
 
 
 def _ssd_fwd(static, x, dt, dt_bias, A, B, C, D, z, h0, seq):
-    return _forward(static, x, dt, dt_bias, A, B, C, D, z, h0, seq, save_entries=True)
+    return _forward(static, True, x, dt, dt_bias, A, B, C, D, z, h0, seq)
 
 
-def _forward(static, x, dt, dt_bias, A, B, C, D, z, h0, seq, *, save_entries):
-    """((y, final), residuals); the forward saves the states its programs start from for the
-    backward only when it is differentiated (`save_entries`)."""
-    dt_step, s = preprocess.preprocess(dt, dt_bias, A, static=static)
+# Second order (`_derivatives`): the forward rule and the backward keep their kernel values and
+# take the tangents of the reference (`_reference_ssd`). Residuals that the kernels compute from
+# the inputs (dt', s, y_pre, the saved entries) get zero tangents, and zero partials in the
+# backward's rule: the reference recomputes them from the inputs, so every total derivative is
+# still exact. The forward's rule is written out here, for those residuals.
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _forward(static, save_entries, x, dt, dt_bias, A, B, C, D, z, h0, seq):
+    """((y, final), residuals) from the kernels; the forward saves the states its programs
+    start from for the backward only when it is differentiated (`save_entries`)."""
+    dt_step, s = preprocess.preprocess(dt, dt_bias, A, seq, static=static)
     y, y_pre, final, entries = forward.forward(x, dt_step, s, B, C, seq, D, z, h0,
                                                static=static, save_entries=save_entries)
     return (y, final), (x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre, entries)
 
 
+@_forward.defjvp
+def _forward_jvp(static, save_entries, primals, tangents):
+    outputs, residuals = _forward(static, save_entries, *primals)
+    _, output_tangents = jax.jvp(functools.partial(_reference_ssd, static), primals, tangents)
+    dx, ddt, ddt_bias, dA, dB, dC, dD, dz, dh0, dseq = tangents
+    _, _, _, dt_step, s, *_, y_pre, entries = residuals
+    computed = [None if v is None else jnp.zeros_like(v) for v in (dt_step, s, y_pre, entries)]
+    residual_tangents = (dx, ddt, ddt_bias, computed[0], computed[1], dA, dB, dC, dD, dz, dh0,
+                         dseq, computed[2], computed[3])
+    return (outputs, residuals), (output_tangents, residual_tangents)
+
+
+def _reference_ssd(static, x, dt, dt_bias, A, B, C, D, z, h0, seq):
+    """What `_ssd` computes, by the chunked reference on the real tokens of the padded
+    arguments (padding tokens give zero outputs)."""
+    t = static.seq_len
+    y, final = reference.mamba_chunk_scan_combined(
+        x[:, :t], dt[:, :t], A, B[:, :t], C[:, :t], static.block_t, D=D,
+        z=None if z is None else z[:, :t], dt_bias=dt_bias, initial_states=h0,
+        seq_idx=None if seq is None else seq[:, :t], dt_softplus=static.dt_softplus,
+        dt_limit=static.dt_limit, return_final_states=True,
+    )
+    return _pad(y, x.shape), final.astype(jnp.float32)
+
+
 def _ssd_bwd(static, residuals, cotangents):
+    return _kernel_gradients(static, residuals, cotangents)
+
+
+def _backward_kernels(static, residuals, cotangents):
+    """The gradients of `_ssd`'s array arguments, from the backward kernels."""
     x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre, entries = residuals
     dy, dfinal = cotangents
     dz = None
@@ -347,14 +435,26 @@ def _ssd_bwd(static, residuals, cotangents):
     return dx, ddt, ddt_bias, dA, dB, dC, dD, dz, None if h0 is None else dh0, None
 
 
+def _reference_gradients(static, residuals, cotangents):
+    """`_backward_kernels` by differentiating `_reference_ssd`."""
+    x, dt, dt_bias, _, _, A, B, C, D, z, h0, seq, _, _ = residuals
+    _, vjp = jax.vjp(functools.partial(_reference_ssd, static, seq=seq),
+                     x, dt, dt_bias, A, B, C, D, z, h0)
+    return (*vjp(cotangents), None)
+
+
+_kernel_gradients = _derivatives.reference_tangents(_backward_kernels, _reference_gradients)
+
+
 def _preprocess_vjp(static, dt, dt_bias, ddt_step):
     """Gradients of the raw dt (b, Tp, H) and dt_bias (or None) from that of dt' (b, H, Tp),
-    through `reference.preprocess_dt` (what `preprocess.preprocess` computes in the kernel)."""
+    through `semantics.step_sizes` (what `preprocess.preprocess` computes in the kernel)."""
     real = jnp.arange(dt.shape[1]) < static.seq_len  # padding tokens have no step
     ddt_step = jnp.where(real[None, :, None], jnp.swapaxes(ddt_step, 1, 2), 0.0)
 
     def step_sizes(dt, dt_bias):
-        return reference.preprocess_dt(dt, dt_bias, static.dt_softplus, static.dt_limit)
+        return semantics.step_sizes(dt, dt_bias, static.dt_softplus, static.dt_limit,
+                                    jnp.float32)
 
     step, vjp = jax.vjp(step_sizes, dt, dt_bias)
     return vjp(ddt_step.astype(step.dtype))

@@ -52,9 +52,10 @@ def _state_gradients_kernel(program, dy_ref, s_ref, c_ref, *refs, static, has_fi
         dy = dy_ref[tok, :]
         cmat = c_ref[tok, :]
         masks = common.chunk_masks(c, s_ref, seq_ref, static)
-        dy_weighted = (dy.astype(jnp.float32) * masks.from_start[:, None]).astype(cmat.dtype)
-        local = jnp.dot(dy_weighted.T, cmat, preferred_element_type=jnp.float32)  # (P, N)
-        return local + masks.chunk_decay * grad
+        dy_weighted = masks.carried_in(dy.astype(jnp.float32)).astype(cmat.dtype)
+        local = jnp.dot(dy_weighted.T, masks.of_continuing(cmat),
+                        preferred_element_type=jnp.float32)  # (P, N)
+        return local + masks.pass_on(grad)
 
     grad = (
         dfinal_ref[...].astype(jnp.float32)
@@ -66,7 +67,7 @@ def _state_gradients_kernel(program, dy_ref, s_ref, c_ref, *refs, static, has_fi
         # back (index j holds unit j + 1).
         def leave(i, grad):
             j = num_units - 2 - i
-            return unit_grads_ref[j] + unit_decays_ref[j, 0] * grad
+            return unit_grads_ref[j] + segments.pass_on(unit_decays_ref[j, 0], grad, static)
 
         grad = jax.lax.fori_loop(0, num_units - part.end_unit, leave, grad)
     grad = jax.lax.fori_loop(0, part.num_chunks, chunk, grad)
@@ -170,11 +171,11 @@ def _chunk_gradients_kernel(
         grad = gstates_ref[j].astype(dtype)  # (P, N): gradient of the state leaving it
         x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
         x_bar = (x32 * dt[:, None]).astype(dtype)
-        weights = (scores.astype(jnp.float32) * masks.decay).astype(dtype)  # C B^T o L
+        weights = masks.weigh(scores.astype(jnp.float32)).astype(dtype)  # C B^T o L
 
         grad_b = jnp.dot(b, grad.T, preferred_element_type=jnp.float32)  # B G^T, (Q, P)
         dx_bar_intra = jnp.dot(weights.T, dy, preferred_element_type=jnp.float32)
-        dx_bar = masks.to_end[:, None] * grad_b + dx_bar_intra
+        dx_bar = masks.to_state(grad_b) + dx_bar_intra
         dx = dx_bar * dt[:, None]
         if d_ref is not None:
             dx += d_ref[j, :][None, :] * dy32
@@ -185,7 +186,7 @@ def _chunk_gradients_kernel(
         x_bar32 = x_bar.astype(jnp.float32)
         y_intra = jnp.dot(weights, x_bar, preferred_element_type=jnp.float32)
         dcumsum_ref[j, :] = jnp.sum(dy32 * y_intra - x_bar32 * dx_bar_intra, axis=1)
-        into_state_ref[j, :] = masks.to_end * jnp.sum(x_bar32 * grad_b, axis=1)
+        into_state_ref[j, :] = masks.to_state(jnp.sum(x_bar32 * grad_b, axis=1))
         return carry
 
     jax.lax.fori_loop(0, heads_per_program, head, None)
@@ -251,16 +252,40 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
     # sum_{j<t} into_state_j, plus the state passed on, exp(s_last) <G, H> (`passing`), for
     # every t.
     # Both in-chunk sums are one float32 matmul with a (2Q, Q) 0/1 matrix (XLA's cumsums here,
-    # reduce-windows fused with the dt transposes, took ~65 us on an H200).
+    # reduce-windows fused with the dt transposes, took ~65 us on an H200). With seq_idx the
+    # spans' sums run over each token's own sequence, as s does (`preprocess`).
     rows, cols = jnp.arange(q)[:, None], jnp.arange(q)[None, :]
-    sums = jnp.concatenate([rows >= cols, rows < cols]).astype(jnp.float32)
-    per_chunk = jnp.concatenate(
-        [(dcumsum + carried).reshape(batch, heads, nc, q),
-         into_state.reshape(batch, heads, nc, q)], axis=-1
-    )
-    in_chunk = jnp.matmul(per_chunk, sums, precision=jax.lax.Precision.HIGHEST)
+    spans = (dcumsum + carried).reshape(batch, heads, nc, q)
+    into_state = into_state.reshape(batch, heads, nc, q)
+    if seq is None:
+        sums = jnp.concatenate([rows >= cols, rows < cols]).astype(jnp.float32)
+        in_chunk = jnp.matmul(jnp.concatenate([spans, into_state], axis=-1), sums,
+                              precision=jax.lax.Precision.HIGHEST)
+    else:
+        in_chunk = _reverse_sums_by_sequence(spans, seq.reshape(batch, nc, q)) + jnp.matmul(
+            into_state, (rows < cols).astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     dlog_decay = (in_chunk + passing[..., None]).reshape(batch, heads, t_pad)
     return dx, ddt_x, dlog_decay, db, dc
+
+
+def _reverse_sums_by_sequence(values, seq):
+    """sum_{u >= t, u in t's sequence} values_u within each chunk: values (B, H, nc, Q), seq
+    (B, nc, Q) sequence runs.
+
+    Mathematically the same as summing over every u >= t (a later sequence's terms sum to
+    zero: its decays depend only on differences of s within it), but a non-finite value of a
+    later sequence stays there. The sums are matmuls over finite values with the 0/1 matrix,
+    and rows whose sum holds a non-finite value are set to NaN by counting them the same way.
+    """
+    q = values.shape[-1]
+    later = jnp.arange(q)[:, None] >= jnp.arange(q)[None, :]  # (u, t): u >= t
+    summed = (later & (seq[..., :, None] == seq[..., None, :])).astype(jnp.float32)
+    finite = jnp.isfinite(values)
+    sums = jnp.einsum("bhcu,bcut->bhct", jnp.where(finite, values, 0.0), summed,
+                      precision=jax.lax.Precision.HIGHEST)
+    non_finite = jnp.einsum("bhcu,bcut->bhct", jnp.where(finite, 0.0, 1.0), summed,
+                            precision=jax.lax.Precision.HIGHEST)
+    return jnp.where(non_finite > 0, jnp.nan, sums)
 
 
 def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, b_ref, c_ref, states_ref, gstates_ref,
@@ -278,23 +303,28 @@ def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, b_ref, c_ref, states_ref, 
         dt = dt_ref[j, common.chunk_tokens(c, static)]
         x32 = x_ref[:, j, :].astype(jnp.float32)
         dy = dy_ref[:, j, :]
-        dy_scaled = dy.astype(jnp.float32) * masks.from_start[:, None]
         # Intra-chunk: the gradient of the scores C B^T, summed over the group's heads (C and
         # B are shared by them), dS = sum_h L_h o (dY_h xbar_h^T).
         x_bar = (x32 * dt[:, None]).astype(dtype)
-        dscores += masks.decay * jnp.dot(dy, x_bar.T, preferred_element_type=jnp.float32)
-        # dB: x bar decayed to the chunk's end, times G; dC: dY decayed from its start, times H.
-        x_scaled = x32 * (masks.to_end * dt)[:, None]
-        db += jnp.dot(x_scaled.astype(grad.dtype), grad, preferred_element_type=jnp.float32)
-        dc += jnp.dot(dy_scaled.astype(state.dtype), state, preferred_element_type=jnp.float32)
+        dscores += masks.weigh(jnp.dot(dy, x_bar.T, preferred_element_type=jnp.float32))
+        # dB: x bar decayed to the chunk's end, times G; dC: dY decayed from its start, times H
+        # (products with the states are taken before the masks, which then select: a state may
+        # hold another sequence's non-finite values).
+        x_scaled = masks.to_state(x32, dt) if seq_ref is None else x32 * dt[:, None]
+        db_state = jnp.dot(x_scaled.astype(grad.dtype), grad, preferred_element_type=jnp.float32)
+        db += db_state if seq_ref is None else masks.to_state(db_state)
+        dy32 = dy.astype(jnp.float32)
+        dy_scaled = masks.carried_in(dy32) if seq_ref is None else dy32
+        dc_state = jnp.dot(dy_scaled.astype(state.dtype), state, preferred_element_type=jnp.float32)
+        dc += dc_state if seq_ref is None else masks.carried_in(dc_state)
         # The log-decay gradient's per-token part through the state entering the chunk,
         # dY_l . exp(s_l) (C H^T)_l.
         carried = jnp.dot(cmat, state.T, preferred_element_type=jnp.float32)  # (Q, P)
-        carried_ref[j, :] = jnp.sum(dy_scaled * carried, axis=1)
+        carried_ref[j, :] = masks.carried_in(jnp.sum(dy32 * carried, axis=1))
         # The state-passing term of the log-decay gradient, exp(s_last) <G, H>, summed over N
         # here and over P by the caller.
         overlap = jnp.sum(grad.astype(jnp.float32) * state.astype(jnp.float32), axis=1)
-        passing_ref[j, :] = masks.chunk_decay * overlap
+        passing_ref[j, :] = masks.pass_on(overlap)
         return db, dc, dscores
 
     q, n = cmat.shape

@@ -161,21 +161,69 @@ def chunk_tokens(c, static):
 
 
 class ChunkMasks(NamedTuple):
-    """Decays of one chunk, with sequence boundaries (seq_idx) folded in.
+    """Decays of one chunk and its sequence boundaries (seq_idx), applied by its methods.
 
     With s from `chunk_log2_decays` (so exp2 of its differences are the decays):
-    decay (Q, Q): L[l, j] = exp2(min(s_l - s_j, 0)) for j <= l in the same sequence, else 0.
-    from_start (Q,): exp2(min(s_l, 0)) where token l continues the sequence live at the chunk
-      start (it sees the carried state), else 0.
-    to_end (Q,): exp2(min(s_last - s_j, 0)) where token j is in the chunk's last sequence (it
-      reaches the state leaving the chunk), else 0.
-    chunk_decay (): exp2(min(s_last, 0)) when no sequence starts inside the chunk, else 0.
+    decay (Q, Q): exp2(min(s_l - s_j, 0)); visible (Q, Q): j <= l in the same sequence.
+    from_start (Q,): exp2(min(s_l, 0)); continues (Q,): token l continues the sequence live at
+      the chunk start (it sees the carried state).
+    to_end (Q,): exp2(min(s_last - s_j, 0)); in_last (Q,): token j is in the chunk's last
+      sequence (it reaches the state leaving the chunk).
+    chunk_decay (): exp2(min(s_last, 0)); carries (): no sequence starts inside the chunk.
+    Without seq_idx, continues, in_last and carries are None (always true).
+
+    The methods select zero where a mask is false instead of multiplying by zero, so a
+    non-finite value (of another sequence, or a later token) never reaches a product that the
+    mask removes. Without seq_idx they are plain products, at no extra cost.
     """
 
     decay: jnp.ndarray
+    visible: jnp.ndarray
     from_start: jnp.ndarray
+    continues: jnp.ndarray | None
     to_end: jnp.ndarray
+    in_last: jnp.ndarray | None
     chunk_decay: jnp.ndarray
+    carries: jnp.ndarray | None
+
+    def weigh(self, values):
+        """values (Q, Q) times the decays where visible, else 0: L o values."""
+        return jnp.where(self.visible, values * self.decay, 0.0)
+
+    def carried_in(self, values, scale=None):
+        """values (Q,) or (Q, k) per token, decayed from the chunk start (and times the
+        per-token `scale`) where the token sees the carried state, else 0."""
+        factor = self.from_start if scale is None else self.from_start * scale
+        return _select_rows(self.continues, values * _rows(factor, values))
+
+    def to_state(self, values, scale=None):
+        """values (Q,) or (Q, k) per token, decayed to the chunk end (and times the per-token
+        `scale`) where the token reaches the leaving state, else 0."""
+        factor = self.to_end if scale is None else self.to_end * scale
+        return _select_rows(self.in_last, values * _rows(factor, values))
+
+    def of_continuing(self, values):
+        """values (Q, k) where the token sees the carried state, else 0."""
+        return _select_rows(self.continues, values)
+
+    def of_last(self, values):
+        """values (Q, k) where the token reaches the leaving state, else 0."""
+        return _select_rows(self.in_last, values)
+
+    def pass_on(self, state):
+        """A state (or its gradient) passed across the chunk: times the chunk's decay, or 0
+        where a sequence starts inside it."""
+        passed = self.chunk_decay * state
+        return passed if self.carries is None else jnp.where(self.carries, passed, 0.0)
+
+
+def _rows(vector, values):
+    """A per-token vector (Q,) shaped to broadcast against values (Q,) or (Q, k)."""
+    return vector if values.ndim == 1 else vector[:, None]
+
+
+def _select_rows(mask, values):
+    return values if mask is None else jnp.where(_rows(mask, values), values, 0.0)
 
 
 def chunk_masks(c, s_ref, seq_ref, static, head=None):
@@ -190,16 +238,20 @@ def chunk_masks(c, s_ref, seq_ref, static, head=None):
     row = jnp.arange(q, dtype=jnp.int32)[:, None]
     col = jnp.arange(q, dtype=jnp.int32)[None, :]
     visible = row >= col
-    from_start = jnp.exp2(jnp.minimum(s, 0.0))
-    to_end = jnp.exp2(jnp.minimum(s_last - s, 0.0))
-    chunk_decay = jnp.exp2(jnp.minimum(s_last, 0.0))
+    continues = in_last = carries = None
     if seq_ref is not None:
         seq = seq_ref[tok]
         seq_start = seq_ref[jnp.maximum(c * q - 1, 0)]  # the sequence live when the chunk starts
         seq_last = seq_ref[last]
         visible &= seq[:, None] == seq[None, :]
-        from_start = jnp.where(seq == seq_start, from_start, 0.0)
-        to_end = jnp.where(seq == seq_last, to_end, 0.0)
-        chunk_decay = jnp.where(seq_last == seq_start, chunk_decay, 0.0)
-    decay = jnp.where(visible, jnp.exp2(jnp.minimum(s[:, None] - s[None, :], 0.0)), 0.0)
-    return ChunkMasks(decay, from_start, to_end, chunk_decay)
+        continues, in_last, carries = seq == seq_start, seq == seq_last, seq_last == seq_start
+    return ChunkMasks(
+        decay=jnp.exp2(jnp.minimum(s[:, None] - s[None, :], 0.0)),
+        visible=visible,
+        from_start=jnp.exp2(jnp.minimum(s, 0.0)),
+        continues=continues,
+        to_end=jnp.exp2(jnp.minimum(s_last - s, 0.0)),
+        in_last=in_last,
+        chunk_decay=jnp.exp2(jnp.minimum(s_last, 0.0)),
+        carries=carries,
+    )

@@ -64,10 +64,10 @@ def _forward_kernel(program, *refs, static, emit, save_entries, has_entries):
             states_ref[c] = state.astype(states_ref.dtype)
         else:
             scores = jnp.dot(cmat, b.T, preferred_element_type=jnp.float32)  # (Q, Q)
-            weights = (scores * masks.decay * dt[None, :]).astype(x.dtype)
+            weights = masks.weigh(scores * dt[None, :]).astype(x.dtype)
             y = jnp.dot(weights, x, preferred_element_type=jnp.float32)
             carried = jnp.dot(cmat, state.astype(cmat.dtype).T, preferred_element_type=jnp.float32)
-            y += masks.from_start[:, None] * carried
+            y += masks.carried_in(carried)
             if d_ref is not None:
                 y += d_ref[...][None, :] * x.astype(jnp.float32)
             if z_ref is None:
@@ -76,9 +76,10 @@ def _forward_kernel(program, *refs, static, emit, save_entries, has_entries):
                 y_pre_ref[tok, :] = y.astype(y_pre_ref.dtype)
                 z = z_ref[tok, :].astype(jnp.float32)
                 y_ref[tok, :] = (y * z * jax.nn.sigmoid(z)).astype(y_ref.dtype)
-        x_weighted = (x.astype(jnp.float32) * (dt * masks.to_end)[:, None]).astype(x.dtype)
-        chunk_state = jnp.dot(x_weighted.T, b, preferred_element_type=jnp.float32)  # (P, N)
-        return masks.chunk_decay * state + chunk_state
+        x_weighted = masks.to_state(x.astype(jnp.float32), dt).astype(x.dtype)
+        chunk_state = jnp.dot(x_weighted.T, masks.of_last(b),
+                              preferred_element_type=jnp.float32)  # (P, N)
+        return masks.pass_on(state) + chunk_state
 
     if has_entries:  # the state this program started from in the forward
         state = entries_ref[...]
@@ -89,7 +90,7 @@ def _forward_kernel(program, *refs, static, emit, save_entries, has_entries):
     if has_sums:
         # The state entering this part: the earlier units' own states passed along.
         def enter(j, state):
-            return unit_decays_ref[j, 0] * state + unit_states_ref[j]
+            return segments.pass_on(unit_decays_ref[j, 0], state, static) + unit_states_ref[j]
 
         state = jax.lax.fori_loop(0, part.first_unit, enter, state)
     if save_entries:

@@ -1,13 +1,18 @@
 """The scan kernels' per-token inputs, from the raw dt, in one kernel (Pallas, Triton lowering).
 
-    dt' = preprocess_dt(dt + dt_bias)        (softplus, clip: `reference.preprocess_dt`)
+    dt' = clamp(softplus?(dt + dt_bias))        (`semantics.step_sizes`)
     s   = in-chunk inclusive cumsum of dt' * A * log2(e)       (`common.chunk_log2_decays`)
 
-both transposed to (B, H, Tp), head-major, as the scan kernels read them. In XLA this took a
-softplus-and-transpose fusion, three cumsum fusions and a scaling of A in front of the forward
-scan (benchmarks/NOTES.md, ninth round); here it is one pass over dt. The cumsum is a float32
-matmul with a 0/1 lower-triangular matrix (exact float32 products, summed in order), not a
-Triton scan: scans are wrong on gfx942 (ROCm/triton#947).
+both transposed to (B, H, Tp), head-major, as the scan kernels read them. With `seq_idx` the
+cumsum runs over each sequence's own tokens (it restarts where a sequence starts inside the
+chunk): the kernels only use differences of s within one sequence, or s of the sequence live at
+the chunk's start, so the decays are the same, and a non-finite dt of one sequence never
+reaches another's.
+
+In XLA this took a softplus-and-transpose fusion, three cumsum fusions and a scaling of A in
+front of the forward scan (benchmarks/NOTES.md, ninth round); here it is one pass over dt. The
+cumsum is a float32 matmul with a 0/1 lower-triangular matrix (exact float32 products, summed
+in order), not a Triton scan: scans are wrong on gfx942 (ROCm/triton#947).
 """
 
 import functools
@@ -18,36 +23,50 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.mamba2 import reference
+from pallas_kernels.mamba2 import semantics
 
 _BLOCK_H = 16  # heads per program: the matmul's smallest width
+_MOST_NEGATIVE = float(jnp.finfo(jnp.float32).min)
 
 
-def _preprocess_kernel(dt_ref, *refs, seq_len, has_bias, dt_softplus, dt_limit):
-    bias_ref = refs[0] if has_bias else None
-    a_ref, step_ref, s_ref = refs[-3:]
+def _preprocess_kernel(dt_ref, *refs, seq_len, has_bias, has_seq_idx, dt_softplus, dt_limit):
+    refs = list(refs)
+    bias_ref = refs.pop(0) if has_bias else None
+    seq_ref = refs.pop(0) if has_seq_idx else None
+    a_ref, step_ref, s_ref = refs
     q = step_ref.shape[-1]
     tokens = pl.program_id(1) * q + jnp.arange(q, dtype=jnp.int32)
-    step = reference.preprocess_dt(
-        dt_ref[...], None if bias_ref is None else bias_ref[...], dt_softplus, dt_limit
-    ).astype(jnp.float32)  # (Q, heads block)
+    step = semantics.step_sizes(
+        dt_ref[...], None if bias_ref is None else bias_ref[...], dt_softplus, dt_limit,
+        jnp.float32,
+    )  # (Q, heads block)
     step = jnp.where(tokens[:, None] < seq_len, step, 0.0)  # padding tokens take no step
     log2_decays = step * (a_ref[...].astype(jnp.float32) * math.log2(math.e))[None, :]
     row = jnp.arange(q, dtype=jnp.int32)[:, None]
-    lower = (jnp.arange(q, dtype=jnp.int32)[None, :] <= row).astype(jnp.float32)
-    s = jnp.dot(lower, log2_decays, precision=jax.lax.Precision.HIGHEST,
+    summed = jnp.arange(q, dtype=jnp.int32)[None, :] <= row  # (Q, Q): s_l sums tokens j <= l
+    if seq_ref is not None:  # of l's own sequence
+        seq = seq_ref[...]
+        summed &= seq[None, :] == seq[:, None]
+    # The sums are a matmul with the 0/1 matrix (exact float32 products), so every value must
+    # be finite: a NaN would reach every row through 0 x NaN. A NaN log decay (from a NaN dt')
+    # counts as 0, as the scan kernels still see the NaN dt' itself, which makes the outputs and
+    # states it reaches NaN; -inf (an infinite dt') as the most negative sum that stays finite.
+    log2_decays = jnp.maximum(jnp.where(jnp.isnan(log2_decays), 0.0, log2_decays),
+                              _MOST_NEGATIVE / q)
+    s = jnp.dot(summed.astype(jnp.float32), log2_decays, precision=jax.lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32)
     step_ref[...] = step.T
     s_ref[...] = s.T
 
 
-def preprocess(dt, dt_bias, A, *, static):
+def preprocess(dt, dt_bias, A, seq, *, static):
     """(dt', s) of the scan kernels: both (B, H, Tp) float32, zero at padding tokens.
 
     dt (B, Tp, H) raw step sizes (any float dtype) padded to whole chunks of `static.block_t`,
-    of which the first `static.seq_len` are real; dt_bias (H,) or None; A (H,).
-    `static.dt_softplus` and `static.dt_limit` as in `reference.preprocess_dt`; s as in
-    `common.chunk_log2_decays`.
+    of which the first `static.seq_len` are real; dt_bias (H,) or None; A (H,), <= 0; seq
+    (B, Tp) int32 sequence runs (`semantics.sequence_runs`) or None. `static.dt_softplus` and
+    `static.dt_limit` as in `semantics.step_sizes`; s as in `common.chunk_log2_decays`, summed
+    over each token's own sequence, always finite (see the kernel).
     """
     batch, t_pad, heads = dt.shape
     q = static.block_t
@@ -63,12 +82,16 @@ def preprocess(dt, dt_bias, A, *, static):
     if dt_bias is not None:
         in_specs.append(per_heads)
         args.append(dt_bias)
+    if seq is not None:
+        in_specs.append(pl.BlockSpec((None, q), lambda i, c, j: (i, c)))
+        args.append(seq)
     out = pl.BlockSpec((None, _BLOCK_H, q), lambda i, c, j: (i, j, c))
     shape = jax.ShapeDtypeStruct((batch, h_pad, t_pad), jnp.float32)
     step, s = pl.pallas_call(
         functools.partial(
             _preprocess_kernel, seq_len=static.seq_len, has_bias=dt_bias is not None,
-            dt_softplus=static.dt_softplus, dt_limit=static.dt_limit,
+            has_seq_idx=seq is not None, dt_softplus=static.dt_softplus,
+            dt_limit=static.dt_limit,
         ),
         grid=(batch, t_pad // q, h_pad // _BLOCK_H),
         in_specs=in_specs + [per_heads],

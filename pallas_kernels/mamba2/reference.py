@@ -1,26 +1,26 @@
 """Pure-jnp references for Mamba2's state-space duality (SSD) layer.
 
 Three functions share the meaning of mamba_ssm's kernels, for batch row b, head h and its group
-g = h // (H // G):
+g = h // (H // G), with dt', A and the sequences defined in `semantics` (shared with the kernels):
 
-    dt'_t = preprocess_dt(dt_t)                 (softplus, bias, clip; see `preprocess_dt`)
-    a_t   = min(dt'_t * A_h, 0)                 (A <= 0 and dt' >= 0 in practice)
+    a_t   = dt'_t * A_h                        (<= 0: dt' >= 0 and A <= 0)
     h_t   = exp(a_t) h_{t-1} + dt'_t * outer(x_t, B_t)        state (P, N)
     y_t   = h_t C_t + D x_t,  then  y_t *= silu(z_t)  if z is given
 
-- `ssd_recurrence` steps through the tokens one by one (`lax.scan` over time): the ground truth.
+- `ssd_recurrence` steps through the tokens one by one (`lax.scan` over time).
 - `mamba_chunk_scan_combined` is the chunked SSD algorithm the kernels implement, in plain jnp;
   its memory is O(T * chunk_size), never T x T.
 - `selective_state_update` is one decode step.
 
 All math runs in float32 whatever the input dtype (float64 when jax x64 is on and the inputs are
 float64); only ever exp() of non-positive arguments is taken. Outputs come back in x's dtype,
-states in the compute dtype (float32).
+states in the compute dtype.
 
-`seq_idx` (b, T) int32 packs several sequences into a row: where seq_idx[b, t] != seq_idx[b, t-1]
-the state is reset to zero before step t. `initial_states` is the state before t = 0, so it feeds
-the first sequence of each row only. As in mamba_ssm, sequences are contiguous: an id that has
-ended does not recur later in the row.
+`seq_idx` (b, T) integers pack several sequences into a row: wherever seq_idx[b, t] !=
+seq_idx[b, t-1] the state is reset to zero before step t (an id that recurs later starts a new
+sequence). `initial_states` is the state before t = 0, so it feeds the first sequence of each
+row only. Values of one sequence never reach another through the state: resets select zero,
+they do not multiply by it, so a NaN in one sequence's state stays there.
 """
 
 import functools
@@ -28,43 +28,21 @@ import functools
 import jax
 import jax.numpy as jnp
 
-_DEFAULT_DT_LIMIT = (0.0, float("inf"))
+from pallas_kernels.mamba2 import semantics
 
 _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
 
-def _compute_dtype(*arrays):
-    """float32, or float64 when a floating input is float64 (only possible with x64 on)."""
-    return jnp.result_type(jnp.float32, *(a for a in arrays if a is not None))
+def _sums_restarting(values, starts):
+    """Inclusive sums of values (b, nc, Q, ...) along axis 2 that restart wherever `starts`
+    (broadcastable, bool) is true: selected, never subtracted, so a NaN stays in its run."""
 
+    def combine(left, right):
+        (sum_left, start_left), (sum_right, start_right) = left, right
+        return jnp.where(start_right, sum_right, sum_left + sum_right), start_left | start_right
 
-def preprocess_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=_DEFAULT_DT_LIMIT):
-    """The step sizes dt' that the SSD recurrence uses, from the raw `dt`.
-
-    u = dt + dt_bias (the bias is optional and broadcasts over the last axis, heads);
-    dt' = softplus(u) if `dt_softplus` else u, with softplus(u) = u for u > 20 and log1p(exp(u))
-    otherwise (written so that its gradient stays finite); then dt' = clip(dt', *dt_limit). As in
-    mamba_ssm, the clip is skipped when `dt_limit` is the default (0, inf), so a raw negative dt
-    without softplus passes through unchanged. The gradient is zero where the clip is active.
-
-    Args:
-      dt: (..., H) raw step sizes, any float dtype.
-      dt_bias: (H,) or None.
-      dt_softplus: apply softplus after the bias.
-      dt_limit: (low, high) Python floats.
-
-    Returns:
-      dt' with dt's shape, float32 (float64 for float64 inputs under x64).
-    """
-    dtype = _compute_dtype(dt, dt_bias)
-    u = dt.astype(dtype)
-    if dt_bias is not None:
-        u = u + dt_bias.astype(dtype)
-    if dt_softplus:
-        u = jnp.where(u > 20.0, u, jnp.log1p(jnp.exp(jnp.minimum(u, 20.0))))
-    if tuple(dt_limit) != _DEFAULT_DT_LIMIT:
-        u = jnp.clip(u, dt_limit[0], dt_limit[1])
-    return u
+    starts = jnp.broadcast_to(starts, values.shape)
+    return jax.lax.associative_scan(combine, (values, starts), axis=2)[0]
 
 
 def _skip_and_gate(y, x, D, z, dtype):
@@ -79,30 +57,31 @@ def _skip_and_gate(y, x, D, z, dtype):
 
 
 def selective_state_update(
-    state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False
+    state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+    dt_limit=semantics.DEFAULT_DT_LIMIT,
 ):
-    """One decode step of the SSD recurrence (functional; mamba_ssm's has no dt_limit, nor this).
+    """One decode step of the SSD recurrence (functional).
 
     Args:
       state: (b, H, P, N) the state after the previous token.
       x: (b, H, P).
-      dt: (b, H) raw step sizes (see `preprocess_dt`).
+      dt: (b, H) raw step sizes (`semantics.step_sizes`).
       A: (H,), non-positive.
       B, C: (b, G, N) with H % G == 0.
       D: (H,) or (H, P), optional skip connection.
       z: (b, H, P), optional gate: y *= silu(z).
       dt_bias: (H,), optional.
-      dt_softplus: apply softplus to dt + dt_bias.
+      dt_softplus, dt_limit: see `semantics.step_sizes`.
 
     Returns:
       (y, new_state): y (b, H, P) in x's dtype, new_state (b, H, P, N) float32.
     """
     heads, groups = x.shape[1], B.shape[1]
-    dtype = _compute_dtype(state, x, dt, A, B, C, D, z, dt_bias)
-    dt = preprocess_dt(dt, dt_bias, dt_softplus).astype(dtype)  # (b, H)
+    dtype = semantics.compute_dtype(state, x, dt, A, B, C, D, z, dt_bias)
+    dt = semantics.step_sizes(dt, dt_bias, dt_softplus, dt_limit, dtype)  # (b, H)
     B = jnp.repeat(B.astype(dtype), heads // groups, axis=1)  # (b, H, N)
     C = jnp.repeat(C.astype(dtype), heads // groups, axis=1)
-    decay = jnp.exp(jnp.minimum(dt * A.astype(dtype), 0.0))  # (b, H)
+    decay = jnp.exp(dt * semantics.decay_rates(A.astype(dtype)))  # (b, H)
     update = (dt[..., None] * x.astype(dtype))[..., None] * B[:, :, None, :]  # (b, H, P, N)
     new_state = decay[..., None, None] * state.astype(dtype) + update
     y = _einsum("bhpn,bhn->bhp", new_state, C)
@@ -122,14 +101,14 @@ def ssd_recurrence(
     initial_states=None,
     seq_idx=None,
     dt_softplus=False,
-    dt_limit=_DEFAULT_DT_LIMIT,
+    dt_limit=semantics.DEFAULT_DT_LIMIT,
     return_final_states=False,
 ):
     """The SSD scan token by token (`lax.scan` over time): the ground truth.
 
     Same signature and meaning as `mamba_chunk_scan_combined`; `chunk_size` is accepted for that
     and ignored. Each step is `selective_state_update` on the already preprocessed dt', after
-    zeroing the state where seq_idx changes.
+    setting the state to zero where seq_idx changes.
 
     Returns:
       y (b, T, H, P) in x's dtype, and with `return_final_states` also the state after the last
@@ -137,8 +116,8 @@ def ssd_recurrence(
     """
     del chunk_size
     batch, _, heads, head_dim = x.shape
-    dtype = _compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states)
-    dt = preprocess_dt(dt, dt_bias, dt_softplus, dt_limit).astype(dtype)
+    dtype = semantics.compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states)
+    dt = semantics.step_sizes(dt, dt_bias, dt_softplus, dt_limit, dtype)
     if initial_states is None:
         state = jnp.zeros((batch, heads, head_dim, B.shape[-1]), dtype)
     else:
@@ -173,7 +152,7 @@ def mamba_chunk_scan_combined(
     initial_states=None,
     seq_idx=None,
     dt_softplus=False,
-    dt_limit=_DEFAULT_DT_LIMIT,
+    dt_limit=semantics.DEFAULT_DT_LIMIT,
     return_final_states=False,
 ):
     """The chunked SSD algorithm (mamba_ssm's `mamba_chunk_scan_combined`) in plain jnp.
@@ -181,94 +160,120 @@ def mamba_chunk_scan_combined(
     The sequence is split into chunks of Q = `chunk_size` tokens (T is zero-padded to a multiple
     of Q: padded tokens have x = B = C = 0 and dt' = 0, so they leave the state unchanged, and
     their outputs are sliced off). Within chunk c, with s_l the inclusive cumsum of a over the
-    chunk and e = Q - 1 its last row:
+    tokens of l's sequence in the chunk and e = Q - 1 its last row:
 
       y_l  = sum_{s <= l, same(l, s)} (C_l . B_s) exp(min(s_l - s_s, 0)) dt'_s x_s   (diagonal)
            + [seq_l == seq_prev] exp(s_l) C_l H_{c-1}                               (carried-in)
       S_c  = sum_{s, same(e, s)} exp(min(s_e - s_s, 0)) dt'_s outer(x_s, B_s)      (chunk state)
       H_c  = S_c + [seq_e == seq_prev] exp(s_e) H_{c-1}                             (lax.scan)
 
-    where same(l, s) = [seq_idx_l == seq_idx_s], seq_prev is seq_idx of the token before the chunk
-    (seq_idx of token 0 for the first chunk) and H_{-1} = initial_states. H_c is the recurrence's
-    state at the end of chunk c, so H_{nc-1} is the final state.
+    where same(l, s) says that tokens l and s are in one sequence (`semantics.sequence_runs`),
+    seq_prev is the sequence of the token before the chunk (token 0's for the first chunk) and
+    H_{-1} = initial_states. H_c is the recurrence's state at the end of chunk c, so H_{nc-1}
+    is the final state. Every [...] and same(...) selects rather than multiplies, so a value
+    of one sequence never reaches another through the decays or the states.
 
     Args:
       x: (b, T, H, P).
-      dt: (b, T, H) raw step sizes (see `preprocess_dt`).
-      A: (H,), non-positive.
+      dt: (b, T, H) raw step sizes (`semantics.step_sizes`).
+      A: (H,), non-positive (`semantics.decay_rates`).
       B, C: (b, T, G, N) with H % G == 0.
       chunk_size: Q, a Python int.
       D: (H,) or (H, P), optional skip connection.
       z: (b, T, H, P), optional gate: y *= silu(z).
       dt_bias: (H,), optional.
       initial_states: (b, H, P, N), optional state before t = 0 (zero if absent).
-      seq_idx: (b, T) int32, optional sequence ids (see the module docstring).
-      dt_softplus, dt_limit: see `preprocess_dt`.
+      seq_idx: (b, T) integers, optional sequence ids (see the module docstring).
+      dt_softplus, dt_limit: see `semantics.step_sizes`.
       return_final_states: also return the state after the last token.
 
     Returns:
       y (b, T, H, P) in x's dtype, and with `return_final_states` also the final state
-      (b, H, P, N) float32.
+      (b, H, P, N) in the compute dtype.
     """
     batch, seq_len, heads, head_dim = x.shape
     groups, state_dim = B.shape[2], B.shape[3]
     per_group = heads // groups
-    dtype = _compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states)
+    dtype = semantics.compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states)
     num_chunks = -(-seq_len // chunk_size)
     pad = num_chunks * chunk_size - seq_len
     if seq_idx is None:
-        seq_idx = jnp.zeros((batch, seq_len), jnp.int32)
+        runs = jnp.zeros((batch, seq_len), jnp.int32)
+    else:
+        runs = semantics.sequence_runs(seq_idx)
 
     def chunked(v, mode="constant"):
         """(b, T, ...) -> (b, nc, Q, ...), zero-padded (or edge-padded) along time."""
         v = jnp.pad(v, ((0, 0), (0, pad)) + ((0, 0),) * (v.ndim - 2), mode=mode)
         return v.reshape(batch, num_chunks, chunk_size, *v.shape[2:])
 
-    dt = preprocess_dt(dt, dt_bias, dt_softplus, dt_limit).astype(dtype)
+    def per_token(mask):
+        """A (b, nc, Q) mask broadcast against (b, nc, Q, G, R, ...) arrays."""
+        return mask[..., None, None]
+
+    dt = semantics.step_sizes(dt, dt_bias, dt_softplus, dt_limit, dtype)
     dt = chunked(dt).reshape(batch, num_chunks, chunk_size, groups, per_group)
     x_c = chunked(x.astype(dtype)).reshape(*dt.shape, head_dim)  # (b, nc, Q, G, R, P)
     B_c = chunked(B.astype(dtype))  # (b, nc, Q, G, N)
     C_c = chunked(C.astype(dtype))
-    seq = chunked(seq_idx, mode="edge")  # (b, nc, Q)
+    seq = chunked(runs, mode="edge")  # (b, nc, Q)
     seq_end = seq[:, :, -1]  # (b, nc)
-    seq_prev = jnp.concatenate([seq_idx[:, :1], seq_end[:, :-1]], axis=1)  # (b, nc)
+    seq_prev = jnp.concatenate([runs[:, :1], seq_end[:, :-1]], axis=1)  # (b, nc)
+    in_last = seq == seq_end[..., None]  # (b, nc, Q): token in the chunk's last sequence
+    continues = seq == seq_prev[..., None]  # token continues the sequence live at the start
 
-    a = jnp.minimum(dt * A.astype(dtype).reshape(groups, per_group), 0.0)  # (b, nc, Q, G, R)
-    cum = jnp.cumsum(a, axis=2)
+    # In-chunk inclusive cumsums of a over each token's own sequence (l, s: rows, columns).
+    # Every mask selects the factors of a product as well as the product, so that autodiff,
+    # too, never multiplies a masked value (a NaN of another sequence, say) by zero.
+    a = dt * semantics.decay_rates(A.astype(dtype)).reshape(groups, per_group)  # (b,nc,Q,G,R)
+    starts = jnp.concatenate([jnp.ones_like(seq[..., :1], bool), seq[..., 1:] != seq[..., :-1]],
+                             axis=-1)  # (b, nc, Q): a sequence starts (or the chunk does)
+    cum = _sums_restarting(a, per_token(starts))
     cum_end = cum[:, :, -1]  # (b, nc, G, R)
-
-    # Diagonal blocks: L[l, s] = exp(min(s_l - s_s, 0)) for s <= l within one sequence.
-    decay = jnp.exp(jnp.minimum(cum[:, :, :, None] - cum[:, :, None, :], 0.0))
     causal = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
     visible = causal & (seq[:, :, :, None] == seq[:, :, None, :])  # (b, nc, Q, Q)
-    decay = jnp.where(visible[..., None, None], decay, 0.0)  # (b, nc, Q, Q, G, R)
-    scores = _einsum("bclgn,bcsgn->bclsg", C_c, B_c)[..., None] * decay * dt[:, :, None]
+    pairs = visible[..., None, None]  # against (b, nc, Q, Q, G, R)
+
+    # Diagonal blocks: L[l, s] = exp(min(s_l - s_s, 0)) for s <= l within one sequence.
+    decay = jnp.exp(jnp.minimum(
+        jnp.where(pairs, cum[:, :, :, None] - cum[:, :, None, :], 0.0), 0.0))
+    cb = _einsum("bclgn,bcsgn->bclsg", C_c, B_c)[..., None]
+    scores = (jnp.where(pairs, cb, 0.0) * jnp.where(pairs, decay, 0.0)
+              * jnp.where(pairs, dt[:, :, None], 0.0))  # (b, nc, Q, Q, G, R)
     y = _einsum("bclsgr,bcsgrp->bclgrp", scores, x_c)
 
-    # Chunk states from the chunk's own tokens, then the states passed between chunks.
-    to_end = jnp.exp(jnp.minimum(cum_end[:, :, None] - cum, 0.0)) * dt
-    to_end = jnp.where((seq == seq_end[..., None])[..., None, None], to_end, 0.0)
-    chunk_states = _einsum("bcsgr,bcsgrp,bcsgn->bcgrpn", to_end, x_c, B_c)
-    carry = jnp.exp(jnp.minimum(cum_end, 0.0))  # (b, nc, G, R)
-    carry = jnp.where((seq_end == seq_prev)[..., None, None], carry, 0.0)
+    # Chunk states from the tokens of the chunk's last sequence, then the states passed on.
+    last = per_token(in_last)
+    to_end = jnp.exp(jnp.minimum(jnp.where(last, cum_end[:, :, None] - cum, 0.0), 0.0))
+    to_end = jnp.where(last, to_end, 0.0) * jnp.where(last, dt, 0.0)
+    x_end = jnp.where(last[..., None], x_c, 0.0)
+    B_end = jnp.where(in_last[..., None, None], B_c, 0.0)
+    chunk_states = _einsum("bcsgr,bcsgrp,bcsgn->bcgrpn", to_end, x_end, B_end)
+    carries = (seq_end == seq_prev)[..., None, None]  # (b, nc, 1, 1): no sequence starts inside
+    carry = jnp.where(carries, jnp.exp(jnp.minimum(jnp.where(carries, cum_end, 0.0), 0.0)), 0.0)
     if initial_states is None:
         state = jnp.zeros((batch, groups, per_group, head_dim, state_dim), dtype)
     else:
         state = initial_states.astype(dtype).reshape(batch, groups, per_group, head_dim, state_dim)
 
     def pass_state(state, chunk):
-        chunk_state, carry_c = chunk
-        return chunk_state + carry_c[..., None, None] * state, state
+        chunk_state, carry_c, carries_c = chunk
+        kept = jnp.where(carries_c[..., None, None], state, 0.0)
+        return chunk_state + carry_c[..., None, None] * kept, state
 
     final_states, states_in = jax.lax.scan(
-        pass_state, state, (jnp.moveaxis(chunk_states, 1, 0), jnp.moveaxis(carry, 1, 0))
+        pass_state, state,
+        tuple(jnp.moveaxis(v, 1, 0) for v in (chunk_states, carry, carries)),
     )
     states_in = jnp.moveaxis(states_in, 0, 1)  # (b, nc, G, R, P, N): state before each chunk
 
-    # Carried-in contribution to each row.
-    from_start = jnp.exp(jnp.minimum(cum, 0.0))
-    from_start = jnp.where((seq == seq_prev[..., None])[..., None, None], from_start, 0.0)
-    y = y + _einsum("bclgn,bcgrpn,bclgr->bclgrp", C_c, states_in, from_start)
+    # Carried-in contribution to the rows that continue the sequence live at the chunk start.
+    first = per_token(continues)
+    from_start = jnp.exp(jnp.minimum(jnp.where(first, cum, 0.0), 0.0))
+    from_start = jnp.where(first, from_start, 0.0)
+    C_first = jnp.where(continues[..., None, None], C_c, 0.0)
+    carried = _einsum("bclgn,bcgrpn->bclgrp", C_first, states_in) * from_start[..., None]
+    y = y + jnp.where(first[..., None], carried, 0.0)
 
     y = y.reshape(batch, num_chunks * chunk_size, heads, head_dim)[:, :seq_len]
     y = _skip_and_gate(y, x, D, z, dtype).astype(x.dtype)

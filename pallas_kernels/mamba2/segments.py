@@ -218,24 +218,36 @@ def _segment_sums_kernel(tokens_ref, dt_ref, s_ref, operand_ref, *refs, static, 
 
     def chunk(i, carry):
         acc, decay = carry
-        # States walk their unit backwards (decay to its end), gradients forwards.
+        # States walk their unit backwards (decay to its end), gradients forwards; `decay` is
+        # the product of the decays of the unit's chunks walked so far (0 past a sequence start).
         c = unit * length + (length - 1 - i if kind == "states" else i)
         tok = common.chunk_tokens(c, static)
         masks = common.chunk_masks(c, s_ref, seq_ref, static)
+        tokens, operand = tokens_ref[tok, :], operand_ref[tok, :]
         if kind == "states":
-            weight = dt_ref[tok] * masks.to_end * decay
+            scaled = masks.to_state(tokens.astype(jnp.float32), dt_ref[tok] * decay)
+            operand = masks.of_last(operand)
         else:
-            weight = masks.from_start * decay
-        tokens = tokens_ref[tok, :]
-        scaled = (tokens.astype(jnp.float32) * weight[:, None]).astype(tokens.dtype)
-        acc += jnp.dot(scaled.T, operand_ref[tok, :], preferred_element_type=jnp.float32)
-        return acc, decay * masks.chunk_decay
+            scaled = masks.carried_in(tokens.astype(jnp.float32), decay)
+            operand = masks.of_continuing(operand)
+        if static.has_seq_idx:  # nothing of a sequence that ends inside the unit reaches its end
+            scaled, operand = (jnp.where(decay == 0.0, 0.0, v) for v in (scaled, operand))
+        acc += jnp.dot(scaled.astype(tokens.dtype).T, operand, preferred_element_type=jnp.float32)
+        return acc, masks.pass_on(decay)
 
     acc, decay = jax.lax.fori_loop(
         0, length, chunk, (jnp.zeros(sums_ref.shape, jnp.float32), jnp.float32(1.0))
     )
     sums_ref[...] = acc
     decays_ref[...] = jnp.full(decays_ref.shape, decay)
+
+
+def pass_on(decay, state, static):
+    """A state (or its gradient) passed across a unit whose decay (the product of its chunks')
+    is `decay`; with seq_idx, 0 where the decay is 0 (a sequence starts inside the unit), even
+    for a non-finite state."""
+    passed = decay * state
+    return jnp.where(decay == 0.0, 0.0, passed) if static.has_seq_idx else passed
 
 
 def segment_sums(tokens, dt, s, operand, seq, *, static, kind):
