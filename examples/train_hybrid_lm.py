@@ -19,13 +19,24 @@ Run from the repository root:
     python examples/train_hybrid_lm.py                 # tiny model, ~5 minutes on 2 CPU cores
     python examples/train_hybrid_lm.py --preset small  # on a GPU: Pallas kernels, bf16, MFU
     python examples/train_hybrid_lm.py --resume        # continue an interrupted run
+    python examples/train_hybrid_lm.py --overwrite     # start over, deleting the old checkpoints
 
 The default run (tiny preset, 1000 steps of 16 x 128 bytes) takes the held-out loss from
 ln 256 = 5.55 to about 1.6 nats per byte. The small preset (23M parameters) is sized for a GPU;
 on this 1 MB corpus it starts to overfit after ~200 steps of 16k bytes, hence its default of 250.
 
 `--workdir` (default `runs/hybrid_lm`) receives `metrics.jsonl` (one JSON object per logged
-step), `loss.png`, `samples.txt` and `checkpoints/`.
+step), `loss.png`, `samples.txt` and `checkpoints/`. A run never loses another's checkpoints:
+
+- every flag, the corpus and the model configuration (built abstractly, so that all the model's
+  own checks run) are checked before the workdir is changed; a mistake exits with status 2 and
+  one line `error: ...`;
+- a fresh run in a workdir that holds checkpoints is refused: pass `--resume` to continue them or
+  `--overwrite` to delete them (and metrics.jsonl) and start over;
+- `--resume` restores the newest checkpoint that loads. A newer one that does not (cut short or
+  damaged: truncated array files, unreadable meta JSON, missing files) is reported, one line
+  each, and moved to `checkpoints/<step>.corrupt-<n>`, out of the resumed run's way. A torn last
+  line of metrics.jsonl (a crash mid-write) is dropped with a warning.
 """
 
 import argparse
@@ -33,12 +44,13 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -94,42 +106,59 @@ class UsageError(Exception):
     """A problem with the inputs (flags, corpus, workdir) to report without a traceback."""
 
 
+def _first_line(exc: BaseException, max_chars: int = 200) -> str:
+    """The first line of an exception's message (its class name if it has none), cut to
+    `max_chars`: tensorstore's run to kilobytes."""
+    lines = str(exc).strip().splitlines()
+    line = lines[0] if lines else type(exc).__name__
+    return line if len(line) <= max_chars else line[:max_chars - 3] + "..."
+
+
 # --------------------------------------------------------------------------- command line
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+def _number(text: str, kind: type, expected: str,
+            accept: Callable[[int | float], bool]) -> int | float:
+    """`text` as `kind` (int or float) when `accept(value)`; else ArgumentTypeError saying what
+    was expected (argparse reports it as "argument --flag: must be ...")."""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not accept(value):
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
     return value
+
+
+def _integer(text: str) -> int:
+    return _number(text, int, "an integer", lambda v: True)
+
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, "a positive integer", lambda v: v > 0)
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return _number(text, int, "an integer >= 0", lambda v: v >= 0)
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+    return _number(text, float, "a positive number", lambda v: 0 < v < math.inf)
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
+    return _number(text, float, "a number >= 0", lambda v: 0 <= v < math.inf)
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
-    return value
+    return _number(text, float, "a number between 0 and 1 (exclusive)", lambda v: 0 < v < 1)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad flag in one line ("error: ...; see --help") and exits with status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}; see {self.prog} --help\n")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -143,7 +172,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (see `parse_args`)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="train_hybrid_lm.py",
         description="Train flax_layers.HybridLM as a byte-level language model.",
         formatter_class=_HelpFormatter,
@@ -182,12 +211,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="AdamW decoupled weight decay (matrices only)")
     opt.add_argument("--clip-norm", type=_positive_float, default=1.0,
                      help="global gradient-norm clip")
-    opt.add_argument("--seed", type=int, default=0, help="parameters, data order and sampling")
+    opt.add_argument("--seed", type=_integer, default=0, help="parameters, data order and sampling")
     run = parser.add_argument_group("logging and checkpoints")
     run.add_argument("--workdir", type=Path, default=Path("runs/hybrid_lm"),
                      help="where metrics.jsonl, loss.png, samples.txt and checkpoints/ go")
-    run.add_argument("--resume", action="store_true",
-                     help="continue from the latest checkpoint in --workdir")
+    start = run.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint in --workdir that loads; newer "
+                            "ones that do not (e.g. cut short by a crash) are reported and moved "
+                            "to checkpoints/STEP.corrupt-N")
+    start.add_argument("--overwrite", action="store_true",
+                       help="start a fresh run in a --workdir that holds checkpoints, deleting "
+                            "them and metrics.jsonl once all flags are checked (without it, such "
+                            "a run is refused)")
     run.add_argument("--log-every", type=_positive_int, default=10,
                      help="steps per metrics.jsonl record (loss averaged over them)")
     run.add_argument("--eval-every", type=_positive_int, default=100,
@@ -339,20 +375,39 @@ def make_config(preset: str, implementation: str = "auto", dtype: str = "auto",
                 overrides: dict[str, Any] | None = None) -> HybridLMConfig:
     """The preset with a 256-byte vocabulary, the implementation (auto -> None: kernels on a GPU,
     the reference elsewhere), the compute dtype (auto -> bfloat16 on a GPU, else float32) and
-    any field overrides. Raises UsageError for an inconsistent configuration."""
+    any field overrides. `HybridLMConfig` may reject the fields (ValueError); the model rejects
+    what it cannot build or run (see `check_model`)."""
     config = HybridLMConfig.preset(preset, **(overrides or {}))
-    if config.num_layers % config.shared_every:
-        raise UsageError(f"num_layers ({config.num_layers}) must be a multiple of shared_every "
-                         f"({config.shared_every})")
-    if (config.expand * config.d_model) % config.headdim:
-        raise UsageError(f"expand * d_model ({config.expand * config.d_model}) must be a "
-                         f"multiple of headdim ({config.headdim})")
     if dtype == "auto":
         dtype = "bfloat16" if _compat.targets_gpu() else "float32"
     return dataclasses.replace(
         config, vocab_size=VOCAB_SIZE,
         implementation=None if implementation == "auto" else implementation,
         dtype=jnp.bfloat16 if dtype == "bfloat16" else None)
+
+
+def check_model(config: HybridLMConfig, seq_len: int) -> None:
+    """Builds the model and runs it on one window of `seq_len` tokens abstractly (shapes only:
+    no parameter is initialised, nothing is compiled), so that every check of the model's
+    constructor and kernels runs. Raises what they raise (ValueError, TypeError, ...)."""
+
+    def forward() -> jax.Array:
+        return HybridLM(config, rngs=nnx.Rngs(0))(jnp.zeros((1, seq_len), jnp.int32))
+
+    jax.eval_shape(forward)
+
+
+def model_config(args: argparse.Namespace) -> HybridLMConfig:
+    """`make_config` for the flags, checked by `check_model`. Raises UsageError, naming the
+    flags, for a configuration that the config or the model rejects."""
+    try:
+        config = make_config(args.preset, args.implementation, args.dtype, args.override)
+        check_model(config, args.seq_len)
+    except (ValueError, TypeError, ZeroDivisionError) as exc:
+        flags = " ".join([f"--preset {args.preset}",
+                          *(f"--override {k}={v}" for k, v in args.override.items())])
+        raise UsageError(f"invalid model configuration ({flags}): {_first_line(exc)}") from None
+    return config
 
 
 def make_optimizer(lr: float, warmup_steps: int, schedule_steps: int, weight_decay: float,
@@ -428,6 +483,32 @@ def peak_flops(device_kind: str) -> float | None:
     return None
 
 
+# --------------------------------------------------------------------------- workdir
+
+
+def check_workdir(workdir: Path) -> None:
+    """Raises UsageError unless `workdir` is a writable directory or can be created as one."""
+    existing = next(p for p in (workdir, *workdir.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is" if existing == workdir else f"is below {existing}, which is"
+        raise UsageError(f"--workdir {workdir} {where} not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--workdir {workdir}: {existing} is not writable")
+
+
+def check_start(ckpt_dir: Path, resume: bool, overwrite: bool) -> None:
+    """--resume needs a checkpoint in `ckpt_dir`; a fresh run must not replace checkpoints
+    unless --overwrite. Raises UsageError otherwise."""
+    names = [p.name for p in ckpt_dir.iterdir()] if ckpt_dir.is_dir() else []
+    steps = sorted(int(name) for name in names if name.isdigit())  # orbax's step directories
+    if resume and not steps:
+        raise UsageError(f"--resume: no checkpoint in {ckpt_dir}")
+    if steps and not resume and not overwrite:
+        raise UsageError(f"--workdir {ckpt_dir.parent} holds checkpoints (steps "
+                         f"{', '.join(map(str, steps))}); pass --resume to continue them or "
+                         "--overwrite to start over")
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
@@ -450,26 +531,97 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, params: nnx.State
     manager.wait_until_finished()
 
 
-def restore_checkpoint(manager: ocp.CheckpointManager, params: nnx.State,
-                       opt_state: Any) -> tuple[int, nnx.State, Any, dict[str, Any]]:
-    """(step, params, opt_state, meta) of the latest checkpoint, restored into the structure of
-    the given (freshly initialised) `params` and `opt_state`."""
-    step = manager.latest_step()
+def restore_checkpoint(manager: ocp.CheckpointManager, step: int, params: nnx.State,
+                       opt_state: Any, check_meta: Callable[[dict[str, Any]], None]
+                       ) -> tuple[nnx.State, Any, dict[str, Any]]:
+    """(params, opt_state, meta) of the checkpoint of `step`, restored into the structure of the
+    given (freshly initialised) `params` and `opt_state`. `check_meta(meta)` runs before the
+    arrays are read (so that it can refuse a checkpoint of another run before a shape mismatch
+    does). Raises whatever a damaged checkpoint makes orbax or tensorstore raise, or ValueError
+    for meta that is not what `save_checkpoint` writes."""
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if (not isinstance(meta, dict) or meta.get("step") != step
+            or not isinstance(meta.get("data_rng"), dict)
+            or not isinstance(meta.get("run_config"), dict)):
+        raise ValueError(f"its meta is not what save_checkpoint writes for step {step}")
+    check_meta(meta)
     target = {"params": params, "opt_state": opt_state}
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-    state, meta = restored["state"], restored["meta"]
-    return step, state["params"], state["opt_state"], meta
+    state = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract)))["state"]
+    return state["params"], state["opt_state"], meta
+
+
+def restore_newest(manager: ocp.CheckpointManager, params: nnx.State, opt_state: Any,
+                   check_meta: Callable[[dict[str, Any]], None]
+                   ) -> tuple[tuple[int, nnx.State, Any, dict[str, Any]] | None,
+                              list[tuple[int, str]]]:
+    """((step, params, opt_state, meta) of the newest checkpoint that loads, or None if none
+    does; [(step, why), ...] of the newer ones that do not), see `restore_checkpoint`. A
+    UsageError from `check_meta` is raised at once."""
+    _ignore_reads_left_in_flight()
+    failed = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            return (step, *restore_checkpoint(manager, step, params, opt_state, check_meta)), failed
+        except UsageError:
+            raise
+        except Exception as exc:  # any other failure to load means: try an older one
+            failed.append((step, f"{type(exc).__name__}: {_first_line(exc)}"))
+    return None, failed
+
+
+def _ignore_reads_left_in_flight() -> None:
+    """When a restore fails, tensorstore's reads that are still in flight finish into orbax's
+    closed event loop, each raising an unraisable RuntimeError("Event loop is closed") that
+    Python would print as a traceback. Installs (once) a `sys.unraisablehook` that drops those
+    and passes anything else on to the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop_errors", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.drops_closed_loop_errors = True
+    sys.unraisablehook = hook
+
+
+def set_aside(step_dir: Path) -> Path:
+    """Renames a checkpoint directory that does not load to `<step>.corrupt-<n>` (the first
+    free n), out of orbax's way (it lists only numeric names) but kept for inspection."""
+    n = 1
+    while (aside := step_dir.with_name(f"{step_dir.name}.corrupt-{n}")).exists():
+        n += 1
+    step_dir.rename(aside)
+    return aside
 
 
 # --------------------------------------------------------------------------- outputs
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl. Lines that are not a record (e.g. the last one, torn by a
+    crash mid-write) are dropped with a warning."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records, unreadable = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        else:
+            unreadable += 1
+    if unreadable:
+        print(f"warning: dropped {unreadable} unreadable line(s) of {path}", file=sys.stderr)
+    return records
 
 
 def plot_losses(records: Sequence[dict[str, Any]], path: Path, title: str = "") -> None:
@@ -519,17 +671,68 @@ def _sha256(tokens: np.ndarray) -> str:
     return hashlib.sha256(tokens.tobytes()).hexdigest()
 
 
-def _check_resume(run_config: dict[str, Any], saved: dict[str, Any]) -> None:
+def run_settings(args: argparse.Namespace, config: HybridLMConfig,
+                 tokens: np.ndarray) -> dict[str, Any]:
+    """The settings that define the run, stored in each checkpoint: `RUN_KEYS` must match on
+    --resume; `schedule_steps` is continued unless --schedule-steps is given."""
+    return {
+        "preset": args.preset, "override": args.override, "batch_size": args.batch_size,
+        "seq_len": args.seq_len, "lr": args.lr, "warmup_steps": args.warmup_steps,
+        "weight_decay": args.weight_decay, "clip_norm": args.clip_norm, "seed": args.seed,
+        "eval_fraction": args.eval_fraction,
+        "dtype": "bfloat16" if config.dtype == jnp.bfloat16 else "float32",
+        "corpus_sha256": _sha256(tokens), "schedule_steps": args.schedule_steps or args.steps,
+    }
+
+
+def _check_resume(run_config: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Raises UsageError unless the checkpoint (`meta`) was saved by a run with these settings."""
+    saved = meta["run_config"]
     diffs = [f"{key}: {run_config[key]!r} now, {saved.get(key)!r} in the checkpoint"
              for key in RUN_KEYS if saved.get(key) != run_config[key]]
     if diffs:
-        raise UsageError("--resume with settings that differ from the checkpoint's ("
-                         + "; ".join(diffs) + "); resume with the same flags or use a new "
-                         "--workdir")
+        raise UsageError(f"--resume with settings that differ from the checkpoint's of step "
+                         f"{meta['step']} (" + "; ".join(diffs) + "); resume with the same flags "
+                         "or use a new --workdir")
+
+
+def resume_run(ckpt_dir: Path, args: argparse.Namespace, run_config: dict[str, Any],
+               params: nnx.State, opt_state: Any) -> tuple[int, nnx.State, Any, dict[str, Any]]:
+    """(step, params, opt_state, meta) of the newest checkpoint in `ckpt_dir` that loads, checked
+    to continue this run (same settings, see `_check_resume`; fewer steps than --steps).
+
+    Only then are the newer checkpoints that do not load reported (one line each) and set aside,
+    so that the resumed run can save its own checkpoints of those steps. Raises UsageError when
+    no checkpoint loads or the one that does cannot be continued.
+    """
+    manager = checkpoint_manager(ckpt_dir, args.keep_checkpoints)
+    try:
+        restored, failed = restore_newest(manager, params, opt_state,
+                                          lambda meta: _check_resume(run_config, meta))
+    finally:
+        manager.close()
+    if restored is None:
+        reasons = "; ".join(f"step {step}: {why}" for step, why in failed)
+        raise UsageError(f"--resume: no checkpoint in {ckpt_dir}"
+                         + (f" loads ({reasons})" if failed else ""))
+    step, params, opt_state, meta = restored
+    if step >= args.steps:
+        raise UsageError(f"--resume: the newest checkpoint that loads is at step {step}, nothing "
+                         f"to do for --steps {args.steps}; pass a larger --steps")
+    for bad_step, why in failed:
+        aside = set_aside(ckpt_dir / str(bad_step))
+        print(f"warning: skipped the checkpoint of step {bad_step}, which does not load ({why}); "
+              f"moved it to {aside}", file=sys.stderr, flush=True)
+    print(f"resuming from step {step}", flush=True)
+    return step, params, opt_state, meta
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Trains (or resumes) as the flags say; writes the workdir's outputs; returns a summary.
+
+    Every input is checked before the workdir is changed: the corpus, the model configuration
+    (`model_config`), the workdir (`check_workdir`, `check_start`) and, on --resume, the
+    checkpoint (`resume_run`).
 
     Summary keys: steps, start_step, n_params, initial_eval_loss (None when resumed),
     final_eval_loss, final_loss, tokens_per_s, mfu (None when unknown), flops_per_token,
@@ -540,38 +743,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     tokens = load_corpus(args.corpus)
     train_tokens, eval_tokens = split_corpus(tokens, args.eval_fraction, args.seq_len)
-    config = make_config(args.preset, args.implementation, args.dtype, args.override)
+    config = model_config(args)
     workdir = Path(args.workdir)
-    if workdir.exists() and not workdir.is_dir():
-        raise UsageError(f"--workdir is not a directory: {workdir}")
     ckpt_dir = workdir / "checkpoints"
+    check_workdir(workdir)
+    check_start(ckpt_dir, args.resume, args.overwrite)
     metrics_path = workdir / "metrics.jsonl"
-    run_config = {
-        "preset": args.preset, "override": args.override, "batch_size": args.batch_size,
-        "seq_len": args.seq_len, "lr": args.lr, "warmup_steps": args.warmup_steps,
-        "weight_decay": args.weight_decay, "clip_norm": args.clip_norm, "seed": args.seed,
-        "eval_fraction": args.eval_fraction,
-        "dtype": "bfloat16" if config.dtype == jnp.bfloat16 else "float32",
-        "corpus_sha256": _sha256(tokens), "schedule_steps": args.schedule_steps or args.steps,
-    }
-
-    start_step, records = 0, []
-    if args.resume:
-        manager = checkpoint_manager(ckpt_dir, args.keep_checkpoints) if ckpt_dir.exists() else None
-        if manager is None or manager.latest_step() is None:
-            raise UsageError(f"--resume: no checkpoint in {ckpt_dir}")
-        saved = manager.restore(manager.latest_step(),
-                                args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        _check_resume(run_config, saved["run_config"])
-        if args.schedule_steps is None:
-            run_config["schedule_steps"] = saved["run_config"]["schedule_steps"]
-        if saved["step"] >= args.steps:
-            raise UsageError(f"--resume: the checkpoint is at step {saved['step']}, nothing to "
-                             f"do for --steps {args.steps}; pass a larger --steps")
-    elif ckpt_dir.exists():
-        print(f"note: starting a fresh run; removing the old checkpoints in {ckpt_dir} "
-              "(pass --resume to continue them)", file=sys.stderr)
-        shutil.rmtree(ckpt_dir)
+    run_config = run_settings(args, config, tokens)
 
     model = HybridLM(config, rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)
@@ -582,12 +760,25 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     tx, schedule = make_optimizer(args.lr, args.warmup_steps, run_config["schedule_steps"],
                                   args.weight_decay, args.clip_norm)
     opt_state = tx.init(params)
-    workdir.mkdir(parents=True, exist_ok=True)
-    manager = checkpoint_manager(ckpt_dir, args.keep_checkpoints)
+    start_step, records = 0, []
     if args.resume:
-        start_step, params, opt_state, meta = restore_checkpoint(manager, params, opt_state)
+        start_step, params, opt_state, meta = resume_run(ckpt_dir, args, run_config, params,
+                                                         opt_state)
         sampler.set_state(meta["data_rng"])
         records = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
+        if args.schedule_steps is None:
+            # Continue the checkpoint's schedule. Its length does not change the structure of
+            # the optimizer state, so the state restored above fits the rebuilt optimizer.
+            run_config["schedule_steps"] = meta["run_config"]["schedule_steps"]
+            tx, schedule = make_optimizer(args.lr, args.warmup_steps,
+                                          run_config["schedule_steps"], args.weight_decay,
+                                          args.clip_norm)
+    elif args.overwrite and ckpt_dir.exists():
+        shutil.rmtree(ckpt_dir)
+        print(f"note: --overwrite: removed the checkpoints and metrics of the previous run in "
+              f"{workdir}", file=sys.stderr)
+    workdir.mkdir(parents=True, exist_ok=True)
+    manager = checkpoint_manager(ckpt_dir, args.keep_checkpoints)
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
     train_step, eval_step = make_steps(graphdef, tx)
@@ -708,7 +899,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point: 0 on success, 2 for unusable flags or inputs."""
+    """Command-line entry point: 0 on success, 2 for unusable flags or inputs (one line on
+    stderr), 130 when interrupted."""
     args = parse_args(argv)
     try:
         train(args)

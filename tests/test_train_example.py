@@ -1,16 +1,22 @@
 """examples/train_hybrid_lm.py: a short run learns and writes its outputs, --resume continues
-exactly, and bad flags or corpora fail with a clear message instead of a traceback."""
+exactly (past checkpoints that do not load), and mistakes (bad flags, corpora, model
+configurations, workdirs) exit with status 2 and one line instead of a traceback, before any
+checkpoint is touched."""
 
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from flax import nnx
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_hybrid_lm.py"
@@ -38,6 +44,46 @@ STEPS = 24
 
 def _run(workdir, *flags):
     return trainer.train(trainer.parse_args([*TINY, "--workdir", str(workdir), *flags]))
+
+
+def _cli(*flags, cwd):
+    """Runs the script as a command on the CPU."""
+    return subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True,
+                          cwd=cwd, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def _main(argv, capsys):
+    """(exit status, stderr) of `main(argv)` in this process."""
+    try:
+        code = trainer.main(argv)
+    except SystemExit as exc:  # argparse
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def _assert_usage_error(code, stderr, *fragments):
+    """Exit status 2 and exactly one line on stderr, "error: ..." holding each fragment."""
+    assert code == 2, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def _files(directory):
+    """{relative path: contents} of every file under `directory`."""
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _truncate(path):
+    """Cuts a file to half its length, as a crash mid-write would."""
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def _largest_file(directory):
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
 def test_short_run_learns_writes_outputs_and_resumes_exactly(tmp_path):
@@ -103,18 +149,27 @@ def test_mfu_helpers():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--steps", "0"], "--steps: must be a positive integer"),
-    (["--batch-size", "many"], "--batch-size: invalid"),
-    (["--preset", "huge"], "--preset: invalid choice"),
-    (["--implementation", "cuda"], "--implementation: invalid choice"),
-    (["--eval-fraction", "1.5"], "--eval-fraction"),
+    (["--steps", "0"], "argument --steps: must be a positive integer, got '0'"),
+    (["--batch-size", "many"], "argument --batch-size: must be a positive integer, got 'many'"),
+    (["--lr", "abc"], "argument --lr: must be a positive number, got 'abc'"),
+    (["--lr", "inf"], "argument --lr: must be a positive number, got 'inf'"),
+    (["--seed", "x"], "argument --seed: must be an integer, got 'x'"),
+    (["--preset", "huge"], "argument --preset: invalid choice"),
+    (["--implementation", "cuda"], "argument --implementation: invalid choice"),
+    (["--eval-fraction", "1.5"], "argument --eval-fraction: must be a number between 0 and 1"),
     (["--override", "depth=3"], "--override: expected FIELD=VALUE"),
+    (["--override", "d_model=0"], "--override: d_model must be positive, got '0'"),
+    (["--override", "num_layers=-2"], "--override: num_layers must be positive, got '-2'"),
+    (["--resume", "--overwrite"], "argument --overwrite: not allowed with argument --resume"),
 ])
-def test_bad_flags_exit_2_with_usage(flags, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        trainer.main(flags)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+def test_bad_flags_exit_2_with_one_line(flags, message, capsys):
+    _assert_usage_error(*_main(flags, capsys), message, "see train_hybrid_lm.py --help")
+
+
+def test_command_line_bad_flag_names_the_expectation(tmp_path):
+    result = _cli("--lr", "abc", cwd=tmp_path)
+    _assert_usage_error(result.returncode, result.stderr,
+                        "argument --lr: must be a positive number, got 'abc'")
 
 
 @pytest.mark.parametrize("content, message", [
@@ -138,12 +193,166 @@ def test_resume_without_checkpoint_exits_2(tmp_path, capsys):
 
 
 def test_command_line_missing_corpus_has_no_traceback(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--corpus", str(tmp_path / "missing.txt"),
-         "--workdir", str(tmp_path / "run")],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
-    assert result.returncode == 2
-    assert "error: corpus file not found" in result.stderr
-    assert "Traceback" not in result.stderr
+    result = _cli("--corpus", str(tmp_path / "missing.txt"), "--workdir", str(tmp_path / "run"),
+                  cwd=tmp_path)
+    _assert_usage_error(result.returncode, result.stderr, "error: corpus file not found")
+
+
+@pytest.mark.parametrize("workdir, message", [
+    ("afile", "--workdir afile is not a directory"),
+    ("afile/run", "--workdir afile/run is below afile, which is not a directory"),
+])
+def test_workdir_that_is_or_is_below_a_file_exits_2(tmp_path, monkeypatch, capsys, workdir,
+                                                    message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("not a directory")
+    _assert_usage_error(*_main(["--workdir", workdir], capsys), message)
+
+
+def test_command_line_workdir_below_a_file(tmp_path):
+    (tmp_path / "afile").write_text("not a directory")
+    result = _cli("--workdir", "afile/run", cwd=tmp_path)
+    _assert_usage_error(result.returncode, result.stderr, "--workdir afile/run is below afile")
+    assert (tmp_path / "afile").read_text() == "not a directory"
+
+
+def test_read_metrics_drops_a_torn_line(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "loss": 5.5}\n\n{"step": 1, "loss": 5.4}\n{"step": 2, "lo')
+    assert trainer.read_metrics(path) == [{"step": 0, "loss": 5.5}, {"step": 1, "loss": 5.4}]
+    assert capsys.readouterr().err == f"warning: dropped 1 unreadable line(s) of {path}\n"
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    """(workdir, stderr) of a TINY run of 2 steps with a checkpoint at each, started with
+    --overwrite in the workdir of an earlier run (a checkpoint of step 7 and its metrics)."""
+    workdir = tmp_path_factory.mktemp("checkpointed")
+    (workdir / "checkpoints" / "7").mkdir(parents=True)
+    (workdir / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        _run(workdir, "--steps", "2", "--checkpoint-every", "1", "--sample-tokens", "0",
+             "--overwrite")
+    return workdir, stderr.getvalue()
+
+
+@pytest.fixture
+def workdir(checkpointed, tmp_path):
+    """A copy of the `checkpointed` workdir (checkpoints of steps 1 and 2) to change."""
+    return Path(shutil.copytree(checkpointed[0], tmp_path / "run"))
+
+
+def test_overwrite_replaces_the_previous_run(checkpointed):
+    workdir, stderr = checkpointed
+    assert "note: --overwrite: removed the checkpoints and metrics" in stderr
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
+    assert [r["step"] for r in trainer.read_metrics(workdir / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_command_line_fresh_run_refuses_a_workdir_with_checkpoints(workdir, tmp_path):
+    before = _files(workdir)
+    result = _cli(*TINY, "--workdir", str(workdir), "--steps", "3", cwd=tmp_path)
+    _assert_usage_error(result.returncode, result.stderr,
+                        f"--workdir {workdir} holds checkpoints (steps 1, 2); pass --resume to "
+                        "continue them or --overwrite to start over")
+    assert _files(workdir) == before
+
+
+@pytest.mark.parametrize("override, message", [
+    ("num_heads=3", "num_heads (3) must be divisible by num_kv_heads (2)"),
+    ("ngroups=3", "must be divisible by ngroups (3)"),
+    ("chunk_size=24", "chunk_size must be a positive power of two, got 24"),
+    ("num_layers=3", "num_layers (3) must be a multiple of shared_every (2)"),
+])
+def test_bad_model_configuration_exits_2_before_overwriting(workdir, capsys, override,
+                                                            message):
+    before = _files(workdir)
+    argv = [*TINY, "--override", override, "--workdir", str(workdir), "--overwrite"]
+    _assert_usage_error(*_main(argv, capsys), "invalid model configuration (--preset tiny",
+                        f"--override {override}", message)
+    assert _files(workdir) == before
+
+
+def test_command_line_bad_model_configuration_keeps_checkpoints(workdir, tmp_path):
+    before = _files(workdir)
+    result = _cli(*TINY, "--override", "num_heads=3", "--workdir", str(workdir), "--overwrite",
+                  cwd=tmp_path)
+    _assert_usage_error(result.returncode, result.stderr, "num_heads (3) must be divisible")
+    assert _files(workdir) == before
+
+
+def _restore_newest(workdir):
+    """`restore_newest` on the workdir's checkpoints, into a freshly initialised TINY run."""
+    args = trainer.parse_args([*TINY, "--workdir", str(workdir)])
+    params = nnx.state(trainer.HybridLM(trainer.model_config(args), rngs=nnx.Rngs(0)))
+    tx, _ = trainer.make_optimizer(args.lr, args.warmup_steps, 2, args.weight_decay,
+                                   args.clip_norm)
+    manager = trainer.checkpoint_manager(workdir / "checkpoints", keep=2)
+    try:
+        return trainer.restore_newest(manager, params, tx.init(params), lambda meta: None)
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("damaged, error", [
+    ("state/_METADATA", "JSONDecodeError"),
+    ("state/manifest.ocdbt", "ValueError: DATA_LOSS"),
+    ("meta/metadata", "JSONDecodeError"),
+    (None, "Exception: Encountered error while reading array"),  # the largest array data file
+])
+def test_restore_newest_skips_a_truncated_checkpoint(workdir, damaged, error):
+    step_dir = workdir / "checkpoints" / "2"
+    _truncate(step_dir / damaged if damaged else _largest_file(step_dir / "state"))
+    restored, failed = _restore_newest(workdir)
+    assert restored[0] == 1 and restored[3]["step"] == 1
+    assert [step for step, _ in failed] == [2] and failed[0][1].startswith(error), failed
+
+
+def test_resume_falls_back_past_a_checkpoint_that_does_not_load(workdir, capsys):
+    _truncate(_largest_file(workdir / "checkpoints" / "2" / "state"))
+    with (workdir / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "lo')  # torn by a crash mid-write
+    resumed = _run(workdir, "--steps", "3", "--checkpoint-every", "1", "--sample-tokens", "0",
+                   "--resume")
+    out, err = capsys.readouterr()
+    assert resumed["start_step"] == 1 and "resuming from step 1" in out
+    skipped, dropped = err.splitlines()
+    assert skipped.startswith("warning: skipped the checkpoint of step 2, which does not load "
+                              "(Exception: Encountered error while reading array")
+    assert skipped.endswith(f"); moved it to {workdir / 'checkpoints' / '2.corrupt-1'}")
+    assert dropped == f"warning: dropped 1 unreadable line(s) of {workdir / 'metrics.jsonl'}"
+    # The resumed run saved its own checkpoints of steps 2 and 3 (step 1 aged out); the damaged
+    # one is kept aside, and metrics.jsonl was rewritten without the torn line.
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [
+        "2", "2.corrupt-1", "3"]
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3]
+
+
+def test_resume_with_other_model_settings_exits_2_before_reading_arrays(workdir, capsys):
+    # A wider MLP: its arrays would not fit the checkpoint's, but the settings are compared
+    # first, so the message names them. Step 2's meta does not load, so they are compared with
+    # step 1's; nothing is set aside.
+    _truncate(workdir / "checkpoints" / "2" / "meta" / "metadata")
+    before = _files(workdir)
+    argv = [*TINY, "--override", "mlp_hidden=128", "--workdir", str(workdir), "--steps", "3",
+            "--resume"]
+    _assert_usage_error(*_main(argv, capsys),
+                        "--resume with settings that differ from the checkpoint's of step 1",
+                        "'mlp_hidden': 128")
+    assert _files(workdir) == before
+
+
+def test_command_line_resume_with_no_checkpoint_that_loads(workdir, tmp_path):
+    _truncate(_largest_file(workdir / "checkpoints" / "2" / "state"))
+    _truncate(workdir / "checkpoints" / "1" / "meta" / "metadata")
+    before = _files(workdir)
+    result = _cli(*TINY, "--workdir", str(workdir), "--steps", "3", "--resume", cwd=tmp_path)
+    _assert_usage_error(result.returncode, result.stderr,
+                        f"--resume: no checkpoint in {workdir / 'checkpoints'} loads (step 2: "
+                        "Exception: Encountered error while reading array",
+                        "; step 1: JSONDecodeError: ")
+    assert _files(workdir) == before
