@@ -1,6 +1,7 @@
 """FlashAttention kernels (interpret mode on CPU) against the float32 reference."""
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_matches_reference_float32(case, blocks):
     _, shape, mask = case
-    args, kw = make_inputs(hash(case[0]) % 1000, mask=mask, **shape)
+    args, kw = make_inputs(zlib.crc32(case[0].encode()) % 1000, mask=mask, **shape)
     ours = loss_and_grads(pallas(block_sizes=blocks), *args, **kw)
     ref = loss_and_grads(exact, *args, **kw)
     for name, x, r in zip(NAMES, ours, ref, strict=True):

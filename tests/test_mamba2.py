@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_matches_recurrence_float32(case):
     _, shape, kw = case
-    args = make_inputs(hash(case[0]) % 1000, **shape)
+    args = make_inputs(zlib.crc32(case[0].encode()) % 1000, **shape)
     (y, final), grads = loss_and_grads(pallas, args, **kw)
     (y_ref, final_ref), grads_ref = loss_and_grads(reference.ssd_recurrence, args, **kw)
     assert y.shape == y_ref.shape and y.dtype == args["x"].dtype
