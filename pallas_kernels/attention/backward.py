@@ -63,7 +63,7 @@ def _dkv_kernel(
             dlogits_t = probs_t * (dprobs_t - delta[None, :])
             if static.logits_soft_cap is not None:
                 dlogits_t *= common.soft_cap_derivative(logits_t, static)
-            if masked:  # a masked pair's dprobs or delta may be NaN: select, not 0 x NaN
+            if masked and static.has_lengths:  # a masked pair's dprobs or delta may be NaN
                 dlogits_t = jnp.where(mask, dlogits_t, 0.0)
             dk += jnp.dot(dlogits_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
             return dk, dv
@@ -108,7 +108,7 @@ def _dq_kernel(
         dlogits = probs * (dprobs - delta[:, None])
         if static.logits_soft_cap is not None:
             dlogits *= common.soft_cap_derivative(logits, static)
-        if masked:  # a masked pair's dprobs or delta may be NaN: select, not 0 x NaN
+        if masked and static.has_lengths:  # a masked pair's dprobs or delta may be NaN
             dlogits = jnp.where(mask, dlogits, 0.0)
         return dq + jnp.dot(dlogits.astype(k.dtype), k, preferred_element_type=jnp.float32)
 

@@ -34,6 +34,11 @@ class Static:
     has_q_len: bool = False
     has_kv_len: bool = False
 
+    @property
+    def has_lengths(self):
+        """Rows past a length may hold anything: the masked tiles then select dlogits too."""
+        return self.has_q_len or self.has_kv_len
+
 
 def base2_logits(scores, static: Static):
     """Raw q.k scores (f32) -> logits in base 2 (softmax scale and soft cap applied)."""
