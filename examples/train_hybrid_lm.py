@@ -572,20 +572,28 @@ def restore_newest(manager: ocp.CheckpointManager, params: nnx.State, opt_state:
 
 
 def _ignore_reads_left_in_flight() -> None:
-    """When a restore fails, tensorstore's reads that are still in flight finish into orbax's
-    closed event loop, each raising an unraisable RuntimeError("Event loop is closed") that
-    Python would print as a traceback. Installs (once) a `sys.unraisablehook` that drops those
-    and passes anything else on to the previous hook."""
+    """When a restore fails, the reads of the other arrays are abandoned. Those still in flight
+    finish later, into orbax's closed event loop (an unraisable RuntimeError("Event loop is
+    closed")) or as orbax read coroutines that raise while being collected (an unraisable
+    "Encountered error while reading array ..." with kilobytes of tensorstore spec). Python
+    would print each as a traceback, although the failed restore is reported once already.
+    Installs (once) a `sys.unraisablehook` that drops those two kinds and passes anything else
+    on to the previous hook."""
     previous = sys.unraisablehook
-    if getattr(previous, "drops_closed_loop_errors", False):
+    if getattr(previous, "drops_abandoned_reads", False):
         return
+
+    def from_orbax(obj: Any) -> bool:
+        code = getattr(obj, "cr_code", None)
+        return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
     def hook(unraisable: Any) -> None:
         exc = unraisable.exc_value
-        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+        closed_loop = isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+        if not (closed_loop or from_orbax(unraisable.object)):
             previous(unraisable)
 
-    hook.drops_closed_loop_errors = True
+    hook.drops_abandoned_reads = True
     sys.unraisablehook = hook
 
 

@@ -346,6 +346,33 @@ def test_resume_with_other_model_settings_exits_2_before_reading_arrays(workdir,
     assert _files(workdir) == before
 
 
+def test_abandoned_checkpoint_reads_are_not_printed(monkeypatch):
+    """A failed restore abandons orbax's other read coroutines; those that raise while being
+    collected must not print a traceback after the one-line error. Anything else still does."""
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    trainer._ignore_reads_left_in_flight()
+    trainer._ignore_reads_left_in_flight()  # installs once
+    source = ("async def read():\n"
+              "    try:\n"
+              "        await sleep()\n"
+              "    finally:\n"
+              "        raise Exception('Encountered error while reading array')\n"
+              "class sleep:\n"
+              "    def __await__(self):\n"
+              "        yield\n")
+    for folder in ("orbax", "elsewhere"):
+        scope = {}
+        exec(compile(source, os.path.join(os.sep, "site", folder, "serialization.py"), "exec"),
+             scope)
+        coroutine = scope["read"]()
+        coroutine.send(None)  # suspended at the await, like a read in flight
+        del coroutine  # collected: close() raises from `finally`, an unraisable exception
+    assert [str(u.exc_value) for u in seen] == ["Encountered error while reading array"]
+    assert seen[0].object.cr_code.co_filename.endswith(os.path.join("elsewhere",
+                                                                   "serialization.py"))
+
+
 def test_command_line_resume_with_no_checkpoint_that_loads(workdir, tmp_path):
     _truncate(_largest_file(workdir / "checkpoints" / "2" / "state"))
     _truncate(workdir / "checkpoints" / "1" / "meta" / "metadata")
