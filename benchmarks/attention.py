@@ -86,14 +86,14 @@ class Shape:
 
 
 def ours_block_sizes(overrides, head_dim):
-    """The tuned BlockSizes for this device and head dim, fields replaced by `overrides`.
+    """The tuned AttentionBlocks for this device and head dim, fields replaced by `overrides`.
 
     `overrides` maps a kernel ("forward", "dkv", "dq") to the KernelBlocks fields to change, e.g.
     {"forward": {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}}.
     """
     tuning = importlib.import_module("pallas_kernels.attention.tuning")
     # The sweep's head dims are powers of two, as the table's lookup expects.
-    tuned = tuning.block_sizes_for(jax.devices()[0].device_kind, head_dim)
+    tuned = tuning.blocks_for(jax.devices()[0].device_kind, head_dim)
     return dataclasses.replace(tuned, **{
         kernel: dataclasses.replace(getattr(tuned, kernel), **fields)
         for kernel, fields in overrides.items()

@@ -1,7 +1,7 @@
 """Checks the attention kernels at real sizes on a GPU and sweeps their block sizes.
 
     python -m benchmarks.attention_tune --check --head-dims 64,128 --seq-lens 8192 \
-        --out benchmarks/results/attention_tune_h200.json
+        --out benchmarks/results/attention_tune_h200_d128.json
 
 `--check` compares the kernels (bf16) with the float32 reference and with a bf16 reference at
 sizes where the reference fits. The sweep times each kernel alone (forward, dK/dV, dQ) for each
@@ -111,7 +111,7 @@ def sweep_kernel(kernel, b, t, n, k, h, causal, rows):
     flops = attention_flops(b, n, t, h, causal) * MATMUL_SHARE[kernel]
     for cand in CANDIDATES[kernel]:
         blocks = tuning.KernelBlocks(*cand)
-        sizes = tuning.BlockSizes(blocks, blocks, blocks)
+        sizes = tuning.AttentionBlocks(blocks, blocks, blocks)
         config = api._Config(static, sizes, (b, t, t))
         try:
             table = api._tables(config, t, t, None, None, None, None, kernel)
@@ -203,7 +203,7 @@ def main(argv=None):
                      and r["shape"] == (b, t, n, n, h) and r["causal"] == causal]
             if timed:
                 best[kernel] = tuning.KernelBlocks(*min(timed, key=lambda r: r["ms"])["blocks"])
-        default = tuning.block_sizes_for(jax.devices()[0].device_kind, h)
+        default = tuning.blocks_for(jax.devices()[0].device_kind, h)
         tuned = dataclasses.replace(default, **best)
         end_to_end(b, t, n, n, h, causal, result["e2e"], block_sizes=tuned)
         result["e2e"][-2]["blocks"] = dataclasses.asdict(tuned)

@@ -35,7 +35,7 @@ missing package) is recorded as an error and the sweep goes on. Forward outputs 
 against the jnp reference run in float32 on upcast inputs for batch row 0 (max |y - ref| /
 max |ref|). See _timing.py for the three timing methods; compare implementations by
 `--metric device` (mamba_ssm launches its kernels from Python, at some shapes slower than they
-run: benchmarks/NOTES.md, twelfth round).
+run: benchmarks/NOTES.md, "Benchmarking method").
 JAX functions are compiled ahead of time, so the compile time and XLA's temp buffer size
 (memory_analysis) are recorded too. mamba_ssm's Triton autotuning runs in its warm-up calls.
 

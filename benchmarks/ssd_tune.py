@@ -26,8 +26,8 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from benchmarks import _timing, ssd
-from pallas_kernels import _compat
-from pallas_kernels.mamba2 import backward, common, forward, semantics, tuning
+from pallas_kernels import _device
+from pallas_kernels.mamba2 import backward, common, forward, schedule, semantics, tuning, walks
 
 BLOCK_TS = (64, 128)
 SCAN_CANDIDATES = list(itertools.product((32, 64), (4, 8), (2, 3, 4)))  # block_p, warps, stages
@@ -40,15 +40,16 @@ def time_call(fn, *args):
     return 1e3 * _timing.chained_seconds(fn, *args)
 
 
-def static_for(blocks, shape, block_t, interpret=False):
-    return common.Static.from_blocks(
-        blocks, block_t=block_t, p_pad=shape.head_dim, batch=shape.batch, heads=shape.heads,
-        heads_per_group=shape.heads // shape.groups,
-        num_chunks=shape.seq_len // block_t,
-        multiprocessors=tuning.multiprocessors(_compat.target_device()[0],
-                                               _compat.target_multiprocessors()),
-        interpret=interpret, has_seq_idx=False, has_d=True, has_z=False, has_initial_states=False,
-        seq_len=shape.seq_len, dt_softplus=True, dt_limit=(0.0, float("inf")))
+def configure(blocks, shape, block_t, interpret=False):
+    """(static, fitted blocks, plan) of the kernels for a table row at chunk `block_t`."""
+    static = common.Static(has_seq_idx=False, has_d=True, has_z=False, has_initial_states=False,
+                           seq_len=shape.seq_len, dt_softplus=True,
+                           dt_limit=(0.0, float("inf")), interpret=interpret)
+    blocks = blocks.fit(block_t, shape.head_dim, shape.heads // shape.groups)
+    plan = schedule.plan(blocks, batch=shape.batch, heads=shape.heads, p_pad=shape.head_dim,
+                         num_chunks=shape.seq_len // blocks.block_t,
+                         multiprocessors=_device.multiprocessors(_device.target()[0]))
+    return static, blocks, plan
 
 
 def kernel_inputs(shape):
@@ -63,34 +64,38 @@ def kernel_inputs(shape):
 def time_parts(shape, block_t, blocks, operands, interpret):
     """Milliseconds of each kernel for one set of tiles (None where it failed)."""
     x, dt_step, A, B, C, d, dy = operands
-    static = static_for(blocks, shape, block_t, interpret)
-    backward_static = static.for_backward()  # the backward's walks split by their own rule
+    static, blocks, plan = configure(blocks, shape, block_t, interpret)
+    kw = dict(static=static, blocks=blocks)
+    backward_plan = plan.for_backward()  # the backward's walks split by their own rule
     s = common.chunk_log2_decays(dt_step, A, block_t)
     run = jax.jit
     parts = {}
     try:
         parts["forward"] = time_call(run(lambda *a: forward.forward(
-            *a, None, d, None, None, static=static)), x, dt_step, s, B, C)
+            *a, None, d, None, None, plan=plan, **kw)), x, dt_step, s, B, C)
         # The state recompute as the backward runs it: the forward's programs from the states
         # they started from where it cut its walks, else the backward's own cut.
         entries = run(lambda *a: forward.forward(
-            *a, None, d, None, None, static=static, save_entries=True)[3])(x, dt_step, s, B, C)
-        recompute_static = backward_static if entries is None else static
+            *a, None, d, None, None, plan=plan, save_entries=True, **kw)[3])(
+                x, dt_step, s, B, C)
+        recompute_plan = backward_plan if entries is None else plan
         states_fn = run(lambda *a, entries: forward.forward(
-            *a, None, None, None, None, static=recompute_static, emit="states",
-            entries=entries)[0])
+            *a, None, None, None, None, plan=recompute_plan, emit="states", entries=entries,
+            **kw)[0])
         parts["states"] = time_call(functools.partial(states_fn, entries=entries),
                                     x, dt_step, s, B, C)
         states = states_fn(x, dt_step, s, B, C, entries=entries)
-        parts["state_gradients"] = time_call(run(lambda *a: backward.state_gradients(
-            *a, static=backward_static)[0]), dy, dt_step, s, C, None, None)
+        parts["state_gradients"] = time_call(run(lambda *a: walks.launch(
+            [backward.state_gradients_call(*a, plan=backward_plan, **kw)],
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+            interpret=static.interpret)[0]["gstates"]), dy, dt_step, s, C, None, None)
         # The two walks as the backward launches them, together.
         walks_fn = run(lambda *a, entries: backward.states_and_gradients(
-            *a, None, None, None, entries, static=static)[:2])
+            *a, None, None, None, entries, plan=plan, **kw)[:2])
         parts["backward_walks"] = time_call(functools.partial(walks_fn, entries=entries),
                                             x, dy, dt_step, s, B, C)
         parts["chunk_gradients"] = time_call(run(lambda *a: backward.chunk_gradients(
-            *a, static=backward_static)), x, dy, dt_step, s, B, C, None, d, states, states)
+            *a, plan=backward_plan, **kw)), x, dy, dt_step, s, B, C, None, d, states, states)
     except Exception as error:  # noqa: BLE001 - a tile that fails to compile is a result
         parts["error"] = f"{type(error).__name__}: {str(error)[:200]}"
     return parts
@@ -121,7 +126,7 @@ def tune_shape(shape, log, quick=False, block_ts=BLOCK_TS):
         ((16,), SCAN_CANDIDATES[:1], GRAD_CANDIDATES[:1]) if quick
         else (block_ts, SCAN_CANDIDATES, GRAD_CANDIDATES)
     )
-    default = tuning.blocks_for(_compat.target_device()[0], shape.state)
+    default = tuning.blocks_for(_device.target()[0], shape.state)
     rows, best = [], {}
     fwd_ms, both_ms = end_to_end(shape, default, ssd.make_inputs(shape, seed=1), quick)
     best["table"] = dict(blocks=dataclasses.asdict(default), fwd_ms=fwd_ms, fwd_bwd_ms=both_ms)

@@ -6,7 +6,7 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention.api import IMPLEMENTATIONS
+from pallas_kernels import IMPLEMENTATIONS
 
 
 def check_sizes(**sizes):

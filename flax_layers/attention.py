@@ -24,9 +24,7 @@ from flax_layers._checks import (
     check_sizes,
 )
 from flax_layers._sharding import logical
-from pallas_kernels._compat import concrete_value
-from pallas_kernels.attention import masking
-from pallas_kernels.attention.api import check_soft_cap, check_window
+from pallas_kernels import arguments
 
 _WARNED = set()
 DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
@@ -141,7 +139,7 @@ class KVCache(NamedTuple):
         if new > self.capacity:
             raise ValueError(f"KV cache holds {self.capacity} positions; {new} new tokens do not "
                              "fit")
-        filled = concrete_value(self.index)
+        filled = arguments.known_value(self.index)
         if filled is not None and filled + new > self.capacity:
             raise ValueError(f"KV cache holds {self.capacity} positions; {int(filled)} are filled "
                              f"and {new} new tokens do not fit")
@@ -194,8 +192,10 @@ class FlashMultiHeadAttention(nnx.Module):
         check_implementation(implementation)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.in_features, self.out_features = in_features, out_features
-        self.is_causal, self.local_window_size = is_causal, check_window(local_window_size)
-        self.logits_soft_cap, self.rope_theta = check_soft_cap(logits_soft_cap), rope_theta
+        self.is_causal = is_causal
+        self.local_window_size = arguments.check_window(local_window_size)
+        self.logits_soft_cap = arguments.check_soft_cap(logits_soft_cap)
+        self.rope_theta = rope_theta
         self.dtype, self.implementation = dtype, implementation
 
         def projection(features_in, out_shape, axis, in_names, out_names):
@@ -293,7 +293,7 @@ class FlashMultiHeadAttention(nnx.Module):
         values = _write_if(fits, cache.values, value, start)
         out = cached_attention(
             query, keys, values, positions[0], start + new,
-            band=masking.band(self.is_causal, self.local_window_size),
+            band=arguments.band(self.is_causal, self.local_window_size),
             logits_soft_cap=self.logits_soft_cap,
         )
         out = jnp.where(fits, self.out(out), jnp.nan)
@@ -322,7 +322,7 @@ def cached_attention(query, keys, values, query_positions, filled, *, band, logi
     logits = jnp.einsum("bnkgh,blkh->bkgnl", q, keys.astype(jnp.float32)) * h**-0.5
     if logits_soft_cap is not None:
         logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
-    visible = masking.visible(
+    visible = arguments.visible(
         query_positions[:, None], jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :],
         band=band, row_len=jnp.iinfo(jnp.int32).max, col_len=filled,
     )

@@ -13,7 +13,7 @@ from flax_layers._checks import check_dtypes, check_implementation, check_sizes
 from flax_layers._sharding import logical
 from flax_layers.attention import FlashMultiHeadAttention, KVCache, check_heads
 from flax_layers.mamba2 import Mamba2, mixer_shape
-from pallas_kernels._compat import concrete_value
+from pallas_kernels import arguments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,9 +23,9 @@ class HybridLMConfig:
     Every field is checked on construction (and by `dataclasses.replace`): a ValueError or
     TypeError naming it for a size that is not a positive int, `shared_every` not dividing
     `num_layers`, what `FlashMultiHeadAttention` and `Mamba2` would reject (`num_kv_heads`
-    not dividing `num_heads`, an odd `head_dim` with `rope_theta`, `expand * d_model` not
-    divisible by `headdim`, heads not divisible by `ngroups`, `chunk_size` not a power of two,
-    ...), a `dtype` that is not a floating dtype or None, an unknown `implementation`.
+    not dividing `num_heads`, an odd `attn_head_dim` with `rope_theta`, `expand * d_model`
+    not divisible by `ssm_head_dim`, heads not divisible by `ngroups`, `chunk_size` not a power
+    of two, ...), a `dtype` that is not a floating dtype or None, an unknown `implementation`.
     """
 
     vocab_size: int = 256
@@ -34,10 +34,10 @@ class HybridLMConfig:
     shared_every: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 32
+    attn_head_dim: int = 32
     mlp_hidden: int = 256
     d_state: int = 16
-    headdim: int = 16  # Mamba2 head dim
+    ssm_head_dim: int = 16  # Mamba2 head dim (mamba_ssm's headdim)
     ngroups: int = 1
     expand: int = 2
     d_conv: int = 4
@@ -48,14 +48,14 @@ class HybridLMConfig:
 
     def __post_init__(self):
         check_sizes(vocab_size=self.vocab_size, num_layers=self.num_layers,
-                    shared_every=self.shared_every, head_dim=self.head_dim,
-                    mlp_hidden=self.mlp_hidden)
+                    shared_every=self.shared_every, attn_head_dim=self.attn_head_dim,
+                    ssm_head_dim=self.ssm_head_dim, mlp_hidden=self.mlp_hidden)
         if self.num_layers % self.shared_every:
             raise ValueError(f"num_layers ({self.num_layers}) must be a multiple of "
                              f"shared_every ({self.shared_every})")
-        check_heads(self.num_heads, self.num_kv_heads, self.num_heads * self.head_dim,
+        check_heads(self.num_heads, self.num_kv_heads, self.num_heads * self.attn_head_dim,
                     self.rope_theta)
-        mixer_shape(self.d_model, self.d_state, self.d_conv, self.expand, self.headdim,
+        mixer_shape(self.d_model, self.d_state, self.d_conv, self.expand, self.ssm_head_dim,
                     self.ngroups, self.chunk_size)
         check_dtypes(dtype=self.dtype)
         check_implementation(self.implementation)
@@ -69,11 +69,12 @@ class HybridLMConfig:
         presets = {
             "tiny": {},
             "small": dict(d_model=512, num_layers=12, shared_every=4, num_heads=8,
-                          num_kv_heads=2, head_dim=64, mlp_hidden=2048, d_state=64, headdim=64,
+                          num_kv_heads=2, attn_head_dim=64, mlp_hidden=2048, d_state=64,
+                          ssm_head_dim=64,
                           chunk_size=128),
             "zamba2-1.2b": dict(vocab_size=32000, d_model=2048, num_layers=36, shared_every=6,
-                                num_heads=32, num_kv_heads=32, head_dim=128, mlp_hidden=8192,
-                                d_state=64, headdim=64, chunk_size=256),
+                                num_heads=32, num_kv_heads=32, attn_head_dim=128, mlp_hidden=8192,
+                                d_state=64, ssm_head_dim=64, chunk_size=256),
         }
         if name not in presets:
             raise ValueError(f"unknown preset {name!r}; choose from {sorted(presets)}")
@@ -89,7 +90,7 @@ class _MambaBlock(nnx.Module):
         self.norm = _rms_norm(config.d_model, config, rngs)
         self.mixer = Mamba2(
             config.d_model, d_state=config.d_state, d_conv=config.d_conv, expand=config.expand,
-            headdim=config.headdim, ngroups=config.ngroups, chunk_size=config.chunk_size,
+            headdim=config.ssm_head_dim, ngroups=config.ngroups, chunk_size=config.chunk_size,
             dtype=config.dtype, implementation=config.implementation, rngs=rngs,
         )
 
@@ -101,7 +102,7 @@ class _SharedBlock(nnx.Module):
         d = config.d_model
         self.attn_norm = _rms_norm(2 * d, config, rngs)
         self.attention = FlashMultiHeadAttention(
-            config.num_heads, 2 * d, config.num_heads * config.head_dim, d,
+            config.num_heads, 2 * d, config.num_heads * config.attn_head_dim, d,
             num_kv_heads=config.num_kv_heads, is_causal=True, rope_theta=config.rope_theta,
             dtype=config.dtype, implementation=config.implementation, rngs=rngs,
         )
@@ -262,7 +263,7 @@ def _check_tokens(name, tokens, vocab_size):
     if tokens.ndim != 2 or 0 in tokens.shape:
         raise ValueError(f"{name} must be a (batch, length) array with at least one token per "
                          f"row, got shape {tokens.shape}")
-    ids = concrete_value(tokens)
+    ids = arguments.known_value(tokens)
     if ids is not None:
         outside = ids[(ids < 0) | (ids >= vocab_size)]
         if outside.size:

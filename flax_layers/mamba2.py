@@ -10,7 +10,7 @@ from flax import nnx
 import pallas_kernels
 from flax_layers._checks import check_dtypes, check_flags, check_implementation, check_sizes
 from flax_layers._sharding import logical, logical_param
-from pallas_kernels.mamba2.api import check_dt_limit
+from pallas_kernels import arguments
 
 
 def _torch_linear_init(fan_in):
@@ -75,7 +75,7 @@ class Mamba2(nnx.Module):
         d_inner, nheads = mixer_shape(d_model, d_state, d_conv, expand, headdim, ngroups,
                                       chunk_size)
         _check_initialisation(A_init_range, dt_min, dt_max, dt_init_floor)
-        dt_limit = check_dt_limit(dt_limit)
+        dt_limit = arguments.check_dt_limit(dt_limit)
         check_flags(D_has_hdim=D_has_hdim, rmsnorm=rmsnorm, norm_before_gate=norm_before_gate,
                     conv_bias=conv_bias, bias=bias)
         check_dtypes(dtype=dtype, param_dtype=param_dtype)

@@ -1,12 +1,18 @@
 """FlashAttention and Mamba2 (SSD) kernels in Pallas (Triton lowering) for JAX, NVIDIA and AMD."""
 
 from pallas_kernels import _compat
+from pallas_kernels._dispatch import IMPLEMENTATIONS
 from pallas_kernels.attention.api import dot_product_attention
-from pallas_kernels.mamba2.api import mamba_chunk_scan_combined, selective_state_update
+from pallas_kernels.attention.tuning import AttentionBlocks, KernelBlocks
+from pallas_kernels.mamba2.api import mamba_chunk_scan_combined
+from pallas_kernels.mamba2.decode import selective_state_update
 
 _compat.silence_triton_deprecation()
 
 __all__ = [
+    "IMPLEMENTATIONS",
+    "AttentionBlocks",
+    "KernelBlocks",
     "dot_product_attention",
     "mamba_chunk_scan_combined",
     "selective_state_update",

@@ -34,31 +34,10 @@ def abstract_gpu_mesh(device_kind, platform):
     return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
 
 
-def target_device():
-    """(device_kind, platform) that code traced now will run on.
-
-    Inside `jax.sharding.use_abstract_mesh` with an abstract device (ahead-of-time lowering for a
-    GPU that is not attached) that device; otherwise the first device of the default backend.
-    Examples: ("NVIDIA H200", "cuda"), ("gfx942", "rocm"), ("cpu", "cpu").
-    """
-    abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    if abstract is not None:
-        return abstract.device_kind, abstract.platform
-    device = jax.devices()[0]
-    return device.device_kind, device.platform
-
-
-def target_multiprocessors():
-    """Streaming multiprocessors (AMD: compute units) of the device code traced now will run on,
-    or None where unknown (an abstract device made without a core count, or no GPU)."""
-    abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    if abstract is not None:
-        return abstract.num_cores
-    return getattr(jax.devices()[0], "core_count", None)
-
-
-def targets_gpu():
-    return target_device()[1] in ("gpu", "cuda", "rocm")
+def abstract_device():
+    """The abstract device of `jax.sharding.use_abstract_mesh` around the code traced now
+    (ahead-of-time lowering for a GPU that is not attached), or None."""
+    return getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
 
 
 def concrete_value(x):

@@ -3,14 +3,14 @@
 import jax
 import pytest
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _device
 
 jax.config.update("jax_default_matmul_precision", "highest")
 _compat.silence_triton_deprecation()
 
 
 def pytest_collection_modifyitems(config, items):
-    if _compat.targets_gpu():
+    if _device.on_gpu():
         return
     skip = pytest.mark.skip(reason="needs a GPU")
     for item in items:

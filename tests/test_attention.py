@@ -10,9 +10,10 @@ import pytest
 from attention_cases import NAMES, assert_close, exact, loss_and_grads, make_inputs, pallas
 
 import pallas_kernels
+from pallas_kernels import _device
 from pallas_kernels.attention import masking, reference, tuning
 
-SMALL = tuning.BlockSizes(
+SMALL = tuning.AttentionBlocks(
     tuning.KernelBlocks(32, 16, 4, 1),
     tuning.KernelBlocks(16, 32, 4, 1),
     tuning.KernelBlocks(32, 16, 4, 1),
@@ -231,13 +232,13 @@ def test_block_sizes_override_and_validation():
 
 @pytest.mark.parametrize("device_kind", ["gfx942", "gfx90a", "AMD Instinct MI300X"])
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
-def test_amd_tiles_fit_64k_lds_with_one_stage(device_kind, head_dim):
-    sizes = tuning.block_sizes_for(device_kind, head_dim)
-    assert tuning.family(device_kind) == "cdna"
+def test_amd_rows_use_one_stage(device_kind, head_dim):
+    # What the rows use of the 64 KiB LDS and the registers is measured by compiling them to
+    # gfx942 machine code (test_machine_code.py), no longer estimated here.
+    sizes = tuning.blocks_for(device_kind, head_dim)
+    assert _device.family(device_kind) == "cdna"
     for kernel in ("forward", "dkv", "dq"):
-        blocks = getattr(sizes, kernel)
-        assert blocks.num_stages == 1
-        assert tuning.shared_memory_bytes(kernel, blocks, head_dim) <= tuning.LDS_BYTES["cdna"]
+        assert getattr(sizes, kernel).num_stages == 1
 
 
 def _bad_calls():

@@ -14,7 +14,7 @@ from flax_layers import HybridLM, HybridLMConfig
 from flax_layers import linen as linen_layers
 
 SMALL = dict(d_model=32, num_layers=2, shared_every=2, num_heads=2, num_kv_heads=1,
-             head_dim=16, mlp_hidden=64, d_state=16, headdim=16, chunk_size=16)
+             attn_head_dim=16, mlp_hidden=64, d_state=16, ssm_head_dim=16, chunk_size=16)
 
 
 def _close(x, y, tol=2e-5):
@@ -191,7 +191,7 @@ def test_generate_checks_its_arguments(kwargs, error, needle):
 
 
 SIZES = ("vocab_size", "d_model", "num_layers", "shared_every", "num_heads", "num_kv_heads",
-         "head_dim", "mlp_hidden", "d_state", "headdim", "ngroups", "expand", "d_conv",
+         "attn_head_dim", "mlp_hidden", "d_state", "ssm_head_dim", "ngroups", "expand", "d_conv",
          "chunk_size")
 
 
@@ -202,10 +202,11 @@ SIZES = ("vocab_size", "d_model", "num_layers", "shared_every", "num_heads", "nu
     ({"d_model": 32.0}, TypeError, "d_model must be an int, got 32.0"),
     ({"num_layers": 3}, ValueError, r"num_layers \(3\) must be a multiple of shared_every \(2\)"),
     ({"num_kv_heads": 3}, ValueError, r"num_heads \(2\) must be divisible by num_kv_heads \(3\)"),
-    ({"headdim": 48}, ValueError, r"expand \* d_model \(64\) must be divisible by headdim \(48\)"),
+    ({"ssm_head_dim": 48}, ValueError,
+     r"expand \* d_model \(64\) must be divisible by headdim \(48\)"),
     ({"ngroups": 3}, ValueError, r"heads \(4\) must be divisible by ngroups \(3\)"),
     ({"chunk_size": 24}, ValueError, "chunk_size must be a positive power of two, got 24"),
-    ({"head_dim": 15}, ValueError, "rotary embeddings .* need an even head dim, got 15"),
+    ({"attn_head_dim": 15}, ValueError, "rotary embeddings .* need an even head dim, got 15"),
     ({"rope_theta": 0.0}, ValueError, "rope_theta must be a finite number > 0 or None"),
     ({"rope_theta": float("nan")}, ValueError, "rope_theta must be a finite number > 0"),
     ({"rope_theta": -1e4}, ValueError, "rope_theta must be a finite number > 0"),
@@ -219,7 +220,7 @@ def test_bad_configuration(override, error, needle):
 
 
 def test_configuration_is_checked_on_replace_and_accepts_dtypes():
-    config = HybridLMConfig(**{**SMALL, "head_dim": 15}, rope_theta=None, dtype=jnp.bfloat16)
+    config = HybridLMConfig(**{**SMALL, "attn_head_dim": 15}, rope_theta=None, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="rotary"):
         dataclasses.replace(config, rope_theta=1e4)
     with pytest.raises(TypeError, match="config must be a HybridLMConfig"):

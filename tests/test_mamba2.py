@@ -11,7 +11,9 @@ import pytest
 from ssd_cases import loss_and_grads, make_inputs, rel_error
 
 import pallas_kernels
-from pallas_kernels.mamba2 import common, preprocess, reference, segments, semantics, tuning
+from pallas_kernels.mamba2 import common, preprocess, reference, semantics, tuning, walks
+from pallas_kernels.mamba2 import schedule as scheduling
+from pallas_kernels.mamba2.schedule import Plan, Schedule
 
 pallas = functools.partial(pallas_kernels.mamba_chunk_scan_combined, implementation="pallas")
 
@@ -56,44 +58,42 @@ def test_matches_recurrence_float32(case):
 
 
 def _static(**fields):
-    """A CPU Static (one program per walk unless `fields` say otherwise)."""
-    kw = dict(block_t=16, p_pad=16, batch=2, heads=4, heads_per_group=1, num_chunks=1,
-              multiprocessors=1, interpret=True, has_seq_idx=False, has_d=False, has_z=False,
-              has_initial_states=False, seq_len=16, dt_softplus=True,
-              dt_limit=(0.0, float("inf")))
-    return common.Static.from_blocks(tuning.blocks_for("cpu", 16), **(kw | fields))
+    """A Static for interpret mode, without optional inputs unless `fields` say otherwise."""
+    kw = dict(has_seq_idx=False, has_d=False, has_z=False, has_initial_states=False,
+              seq_len=16, dt_softplus=True, dt_limit=(0.0, float("inf")), interpret=True)
+    return common.Static(**(kw | fields))
 
 
-# Cuts of the scan kernels' walks (common.Schedule) on 8 walks (2 rows x 4 heads) of 150 tokens
+# Cuts of the scan kernels' walks (schedule.Schedule) on 8 walks (2 rows x 4 heads) of 150 tokens
 # = 10 chunks of 16: (id, forward schedule, backward's walks cut into 5 units too). Where the
 # forward cuts its walks, the backward's state recompute runs the forward's programs from the
 # states they started from; otherwise it walks the backward's cut, from segment sums.
 SCHEDULES = [
     # The forward's walks uncut, the backward's in 5 parts.
-    ("backward-only", common.Schedule(1, 1, 0), True),
+    ("backward-only", Schedule(1, 1, 0), True),
     # Every walk in 5 parts of 2 chunks (few walks), the backward's as well.
-    ("five-parts", common.Schedule(5, 1, 0), True),
+    ("five-parts", Schedule(5, 1, 0), True),
     # Halves of 5 chunks; the backward's walks uncut.
-    ("halves", common.Schedule(2, 1, 0), False),
+    ("halves", Schedule(2, 1, 0), False),
     # Every walk split into 5 units (one part, all walks split).
-    ("all-split", common.Schedule(5, 5, 8), False),
+    ("all-split", Schedule(5, 5, 8), False),
     # Walks 2-7 whole, walks 0-1 (the last round's) in 5 units; the backward's in 5 parts.
-    ("last-round-split", common.Schedule(5, 5, 2), True),
+    ("last-round-split", Schedule(5, 5, 2), True),
     # Halves of 5 chunks; the first halves of walks 0-2 in 5 units of one chunk.
-    ("halves-split", common.Schedule(10, 5, 3), True),
+    ("halves-split", Schedule(10, 5, 3), True),
 ]
 
 
 @pytest.mark.parametrize("case", SCHEDULES, ids=[c[0] for c in SCHEDULES])
 def test_walk_parts_cover_every_unit_once(case):
     _, schedule, _ = case
-    static = dataclasses.replace(_static(num_chunks=10), walks=8, schedule=schedule)
+    plan = Plan(num_chunks=10, walks=8, schedule=schedule, backward=schedule)
     seen = []
-    for program in range(segments.num_programs(static)):
-        part = segments.walk_part(jnp.int32(program), static)
+    for program in range(walks.num_programs(plan)):
+        part = walks.walk_part(jnp.int32(program), plan)
         first, end = int(part.first_unit), int(part.end_unit)
-        assert int(part.first_chunk) == first * static.unit_chunks
-        assert int(part.num_chunks) == (end - first) * static.unit_chunks
+        assert int(part.first_chunk) == first * plan.unit_chunks
+        assert int(part.num_chunks) == (end - first) * plan.unit_chunks
         seen += [(int(part.walk), unit) for unit in range(first, end)]
     assert sorted(seen) == [(w, u) for w in range(8) for u in range(schedule.num_units)]
 
@@ -102,18 +102,18 @@ def test_walk_parts_cover_every_unit_once(case):
 @pytest.mark.parametrize("case", SCHEDULES, ids=[c[0] for c in SCHEDULES])
 def test_cut_walks_match_recurrence(case, seq_idx, monkeypatch):
     # The scan kernels (forward, state recompute, state gradients) with their walks cut into
-    # programs walked in parallel (segments.py), forced here at a small size.
+    # programs walked in parallel (walks.py), forced here at a small size.
     _, schedule, backward_split = case
     table = tuning.blocks_for
     monkeypatch.setattr(tuning, "blocks_for", lambda kind, n: dataclasses.replace(
         table(kind, n), scan_programs=10**6, min_segment_chunks=2,
         backward_segment_walks_below=10**6 if backward_split else 0))
-    monkeypatch.setattr(common, "forward_schedule", lambda *a: schedule)
+    monkeypatch.setattr(scheduling, "forward_schedule", lambda *a: schedule)
     calls = []
-    segment_sums = segments.segment_sums
-    monkeypatch.setattr(segments, "segment_sums",
-                        lambda *a, static, kind: calls.append((kind, static.schedule))
-                        or segment_sums(*a, static=static, kind=kind))
+    unit_sums = walks.unit_sums
+    monkeypatch.setattr(walks, "unit_sums",
+                        lambda *a, plan, kind, **kw: calls.append((kind, plan.schedule))
+                        or unit_sums(*a, plan=plan, kind=kind, **kw))
     args = make_inputs(12, t=150)
     if seq_idx:  # sequences start on a unit's first token (32, 80) and inside chunks (37, 75)
         ids = jnp.arange(150)
@@ -124,8 +124,8 @@ def test_cut_walks_match_recurrence(case, seq_idx, monkeypatch):
     (y_ref, final_ref), grads_ref = loss_and_grads(reference.ssd_recurrence, args, **kw)
     # The forward, then the backward's state recompute (from sums only where the forward did not
     # cut its walks) and state gradients.
-    backward = common.Schedule(5, 1, 0)
-    forward_cut = schedule != common.Schedule(1, 1, 0)
+    backward = Schedule(5, 1, 0)
+    forward_cut = schedule != Schedule(1, 1, 0)
     assert calls == ([("states", schedule)] if forward_cut else []) + (
         [("states", backward)] if backward_split and not forward_cut else []) + (
         [("gradients", backward)] if backward_split else [])
@@ -138,18 +138,18 @@ def test_cut_walks_match_recurrence(case, seq_idx, monkeypatch):
 @pytest.mark.parametrize("walks, num_chunks, schedule", [
     # b 4 x 80 heads at T 4096 (64 chunks), 264 programs at once: the last round's 56 walks
     # split in 4 units.
-    (320, 64, common.Schedule(4, 4, 56)),
+    (320, 64, Schedule(4, 4, 56)),
     # b 2 x 80 heads at T 8192 (128 chunks): halves, the 56 first halves beyond one round split
     # in 4 units of 16 chunks (steps 64 + 16, sums for 640 units).
-    (160, 128, common.Schedule(8, 4, 56)),
+    (160, 128, Schedule(8, 4, 56)),
     # 160 walks of 16 chunks fit one round: no cut.
-    (160, 16, common.Schedule(1, 1, 0)),
+    (160, 16, Schedule(1, 1, 0)),
     # 4 walks of 2048 chunks: 64 parts each, 256 programs in one round.
-    (4, 2048, common.Schedule(64, 1, 0)),
+    (4, 2048, Schedule(64, 1, 0)),
 ])
 def test_forward_schedule_on_h200(walks, num_chunks, schedule):
     blocks = tuning.blocks_for("NVIDIA H200", 64)
-    assert common.forward_schedule(walks, num_chunks, 264, blocks) == schedule
+    assert scheduling.forward_schedule(walks, num_chunks, 264, blocks) == schedule
 
 
 @pytest.mark.parametrize(
@@ -164,10 +164,9 @@ def test_preprocess_kernel_matches_xla(heads, softplus, limit, bias):
     dt = jax.random.normal(keys[0], (2, t, heads), jnp.bfloat16)
     dt_bias = jax.random.normal(keys[1], (heads,)) if bias else None
     A = -jnp.exp(jax.random.normal(keys[2], (heads,)))
-    static = _static(block_t=q, heads=heads, num_chunks=t_pad // q, seq_len=t,
-                     dt_softplus=softplus, dt_limit=limit)
+    static = _static(seq_len=t, dt_softplus=softplus, dt_limit=limit)
     padded = jnp.pad(dt, ((0, 0), (0, t_pad - t), (0, 0)), constant_values=3.0)
-    step, s = preprocess.preprocess(padded, dt_bias, A, None, static=static)
+    step, s = preprocess.preprocess(padded, dt_bias, A, None, static=static, block_t=q)
     step_ref = semantics.step_sizes(dt, dt_bias, softplus, limit, jnp.float32)
     step_ref = jnp.swapaxes(step_ref, 1, 2)
     step_ref = jnp.pad(step_ref, ((0, 0), (0, 0), (0, t_pad - t)))

@@ -9,7 +9,7 @@ import pytest
 from ssd_cases import loss_and_grads, make_inputs, rel_error
 
 import pallas_kernels
-from pallas_kernels.mamba2 import reference, segments
+from pallas_kernels.mamba2 import reference, walks
 
 pytestmark = pytest.mark.gpu
 
@@ -47,12 +47,12 @@ def test_bf16_against_float32_reference(groups, seq_idx):
 def test_cut_walks_against_float32_reference(batch, t, num_parts, monkeypatch):
     """80 heads at 16k tokens on an H200 (264 forward programs at once): at b 4 the forward
     walks 264 walks whole and splits the other 56; at b 2 it walks halves and splits the 56
-    first halves beyond one round (common.forward_schedule). Split walks are walks 0 .. 55,
+    first halves beyond one round (schedule.forward_schedule). Split walks are walks 0 .. 55,
     in row 0."""
     calls = []
-    segment_sums = segments.segment_sums
-    monkeypatch.setattr(segments, "segment_sums", lambda *a, static, kind: calls.append(
-        static.schedule) or segment_sums(*a, static=static, kind=kind))
+    unit_sums = walks.unit_sums
+    monkeypatch.setattr(walks, "unit_sums", lambda *a, plan, **kw: calls.append(
+        plan.schedule) or unit_sums(*a, plan=plan, **kw))
     args = make_inputs(5, b=batch, t=t, h=80, p=64, n=64, g=1, d="h", dtype=jnp.bfloat16,
                        z=False)
     y, y_ref = _against_float32_reference(args)

@@ -1,25 +1,31 @@
 """`dot_product_attention`: FlashAttention with jax.nn's layout, checks, dispatch and custom_vjp.
 
-A call flows: argument checks (before anything is traced) -> implementation choice ("xla" runs
-`reference.py`, "pallas" the kernels) -> padding to whole blocks and a power-of-two head dim ->
-`_flash_attention`, a `jax.custom_vjp` whose forward saves q, k, v, out and lse and whose backward
-runs the dK/dV and dQ kernels. The backward is itself differentiable: its derivatives (second
-order) are those of the reference's backward (`_kernel_gradients`).
+A call flows: argument checks (`checks`, before anything is traced) -> implementation choice
+("xla" runs `reference.py`, "pallas" the kernels) -> the tuned blocks (`tuning`) -> padding to
+whole blocks and a power-of-two head dim -> `_flash_attention`, a `jax.custom_vjp` whose forward
+saves q, k, v, out and lse and whose backward runs the dK/dV and dQ kernels. The backward is
+itself differentiable: its derivatives (second order) are those of the reference's backward
+(`_kernel_gradients`).
 """
 
 import dataclasses
 import functools
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _compat, _derivatives
-from pallas_kernels.attention import backward, common, forward, masking, reference, tuning
+from pallas_kernels import _derivatives, _device, _dispatch
+from pallas_kernels.attention import (
+    backward,
+    checks,
+    common,
+    forward,
+    masking,
+    reference,
+    tuning,
+)
 
-IMPLEMENTATIONS = ("pallas", "xla")
 MAX_HEAD_DIM = 256
 
 
@@ -61,7 +67,8 @@ def dot_product_attention(
       implementation: "pallas" (the kernels), "xla" (the pure-jnp reference, quadratic memory)
         or None (the kernels on GPU, the reference elsewhere).
       return_residual: also return the log-sum-exp of the logits, (B, T, N) float32, natural log.
-      block_sizes: a `tuning.BlockSizes` to use instead of the tuned table.
+      block_sizes: a `tuning.AttentionBlocks` (`pallas_kernels.AttentionBlocks`) to use instead
+        of the tuned table.
       interpret: run the Pallas kernels in interpret mode (on CPU); None: when not on a GPU.
 
     Returns:
@@ -74,30 +81,25 @@ def dot_product_attention(
     (quadratic memory).
     """
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
-    batched = _check_arrays(query, key, value)
+    batched = checks.check_arrays(query, key, value)
     if not batched:
         query, key, value = (x[None] for x in (query, key, value))
     batch, t, n, h = query.shape
     s = key.shape[1]
-    segments = _check_segment_ids(q_segment_ids, kv_segment_ids, batch, t, s, batched)
-    q_len = _check_lengths("query_seq_lengths", query_seq_lengths, batch, t, batched)
-    kv_len = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, s, batched)
-    scale = _check_positive("scale", scale, default=h**-0.5)
-    is_causal = _check_bool("is_causal", is_causal)
-    return_residual = _check_bool("return_residual", return_residual)
-    local_window_size = check_window(local_window_size)
+    segments = checks.check_segment_ids(q_segment_ids, kv_segment_ids, batch, t, s, batched)
+    q_len = checks.check_lengths("query_seq_lengths", query_seq_lengths, batch, t, batched)
+    kv_len = checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, s,
+                                  batched)
+    scale = _dispatch.check_positive("scale", scale, default=h**-0.5)
+    is_causal = _dispatch.check_bool("is_causal", is_causal)
+    return_residual = _dispatch.check_bool("return_residual", return_residual)
+    local_window_size = checks.check_window(local_window_size)
     band = masking.band(is_causal, local_window_size)
-    logits_soft_cap = check_soft_cap(logits_soft_cap)
-    if implementation not in (None, *IMPLEMENTATIONS):
-        raise ValueError(
-            f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
-        )
-    if block_sizes is not None and not isinstance(block_sizes, tuning.BlockSizes):
-        raise TypeError(f"block_sizes must be a tuning.BlockSizes, got {type(block_sizes)}")
-    if interpret is not None:
-        interpret = _check_bool("interpret", interpret)
-    if implementation is None:
-        implementation = "pallas" if _compat.targets_gpu() else "xla"
+    logits_soft_cap = checks.check_soft_cap(logits_soft_cap)
+    implementation, interpret = _dispatch.choose(implementation, interpret)
+    if block_sizes is not None and not isinstance(block_sizes, tuning.AttentionBlocks):
+        raise TypeError(
+            f"block_sizes must be a tuning.AttentionBlocks, got {type(block_sizes)}")
     if implementation == "pallas" and h > MAX_HEAD_DIM:
         raise ValueError(f"the Pallas kernels support head dims up to {MAX_HEAD_DIM}, got {h}")
 
@@ -113,143 +115,11 @@ def dot_product_attention(
     else:
         out, lse = _pallas_attention(
             query, key, value, segments, q_len, kv_len, block_sizes,
-            scale=scale, band=band, logits_soft_cap=logits_soft_cap,
-            interpret=(not _compat.targets_gpu()) if interpret is None else interpret,
+            scale=scale, band=band, logits_soft_cap=logits_soft_cap, interpret=interpret,
         )
     if not batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residual else out
-
-
-# ---------------------------------------------------------------------------------------------
-# Argument checks: each raises ValueError/TypeError naming the argument, before any tracing.
-
-
-def _check_arrays(query, key, value):
-    names = ("query", "key", "value")
-    arrays = (query, key, value)
-    for name, x in zip(names, arrays, strict=True):
-        if x.ndim not in (3, 4):
-            raise ValueError(
-                f"{name} must be rank 4 (B, T, N, H) or rank 3 (T, N, H), got {x.shape}"
-            )
-        if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
-    if not query.ndim == key.ndim == value.ndim:
-        raise ValueError(
-            f"query, key and value must have the same rank, got {query.shape}, {key.shape}, "
-            f"{value.shape}"
-        )
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(
-            f"key and value must have the query's dtype {query.dtype}, "
-            f"got {key.dtype}, {value.dtype}"
-        )
-    if key.shape != value.shape:
-        raise ValueError(f"key and value must have the same shape, got {key.shape}, {value.shape}")
-    if query.ndim == 4 and query.shape[0] != key.shape[0]:
-        raise ValueError(f"query and key batch sizes differ: {query.shape[0]} vs {key.shape[0]}")
-    if query.shape[-1] != key.shape[-1]:
-        raise ValueError(f"query and key head dims differ: {query.shape[-1]} vs {key.shape[-1]}")
-    n, k_heads = query.shape[-2], key.shape[-2]
-    if k_heads == 0 or n % k_heads:
-        raise ValueError(f"query heads ({n}) must be a multiple of key/value heads ({k_heads})")
-    if 0 in query.shape or 0 in key.shape:
-        raise ValueError(f"query and key must not be empty, got {query.shape}, {key.shape}")
-    return query.ndim == 4
-
-
-def _check_int_array(name, x, shape, batched):
-    """x as a (B, ...) integer array of its own width; a TypeError or ValueError naming it."""
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array, got {x.dtype}")
-    want = shape if batched else shape[1:]
-    if x.shape != want:
-        raise ValueError(f"{name} must have shape {want}, got {x.shape}")
-    return x if batched else x[None]
-
-
-def _check_segment_ids(q_segment_ids, kv_segment_ids, batch, t, s, batched):
-    """(q ids, kv ids) as int32, or None. Ids wider than int32 (int64 under x64) are replaced
-    by their ranks among the row's ids, which keeps equality and order exactly (a cast would
-    merge 2**32 with 0)."""
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
-    if q_segment_ids is None:
-        return None
-    q_ids = _check_int_array("q_segment_ids", q_segment_ids, (batch, t), batched)
-    kv_ids = _check_int_array("kv_segment_ids", kv_segment_ids, (batch, s), batched)
-    if max(q_ids.dtype.itemsize, kv_ids.dtype.itemsize) <= 4:
-        return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
-    dtype = jnp.promote_types(q_ids.dtype, kv_ids.dtype)
-    ranks = _dense_ranks(jnp.concatenate([q_ids.astype(dtype), kv_ids.astype(dtype)], axis=1))
-    return ranks[:, :t], ranks[:, t:]
-
-
-def _dense_ranks(ids):
-    """(B, L) int32 ranks of each row's distinct values: equal ids get equal ranks, in order."""
-    order = jnp.argsort(ids, axis=1)
-    ordered = jnp.take_along_axis(ids, order, axis=1)
-    new = jnp.concatenate(
-        [jnp.zeros_like(ordered[:, :1], bool), ordered[:, 1:] != ordered[:, :-1]], axis=1)
-    ranks_in_order = jnp.cumsum(new, axis=1, dtype=jnp.int32)
-    return jnp.zeros(ids.shape, jnp.int32).at[jnp.arange(ids.shape[0])[:, None], order].set(
-        ranks_in_order)
-
-
-def _check_lengths(name, lengths, batch, length, batched):
-    """Lengths (B,) clipped to [0, length] at their own width, then int32; or None."""
-    if lengths is None:
-        return None
-    if not batched:
-        raise ValueError(f"{name} needs batched (rank 4) inputs")
-    return jnp.clip(_check_int_array(name, lengths, (batch,), True), 0, length).astype(jnp.int32)
-
-
-def _check_bool(name, value):
-    """value as a Python bool; a TypeError unless it is a Python or numpy bool."""
-    if not isinstance(value, bool | np.bool_):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return bool(value)
-
-
-def _check_positive(name, value, *, default):
-    """A finite Python number > 0 as a float (`default` for None); TypeError for a non-number
-    or a bool, ValueError for zero, a negative, NaN or an infinity."""
-    if value is None:
-        return default
-    if not isinstance(value, numbers.Real) or isinstance(value, bool | np.bool_):
-        raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
-def check_window(window):
-    """`local_window_size` checked and normalised: None or a (left, right) pair of ints >= 0.
-
-    Sides beyond `masking.MAX_WINDOW` (longer than any sequence the kernels take) are clipped
-    to it, which sees the same keys. Shared with the Flax layers' decode path.
-    """
-    if window is None:
-        return None
-    sides = (window, window) if isinstance(window, int | np.integer) else window
-    if (
-        not isinstance(sides, tuple | list)
-        or len(sides) != 2
-        or not all(isinstance(w, int | np.integer) and not isinstance(w, bool | np.bool_)
-                   for w in sides)
-    ):
-        raise TypeError(f"local_window_size must be an int or a (left, right) pair, got {window!r}")
-    if min(sides) < 0:
-        raise ValueError(f"local_window_size must not be negative, got {window!r}")
-    return tuple(min(int(w), masking.MAX_WINDOW) for w in sides)
-
-
-def check_soft_cap(logits_soft_cap):
-    """`logits_soft_cap` checked: None or a finite float > 0. Shared with the Flax layers."""
-    return _check_positive("logits_soft_cap", logits_soft_cap, default=None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,21 +128,11 @@ def check_soft_cap(logits_soft_cap):
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
+    """What the kernels know of a call besides its arrays (hashable: keys custom_vjp and jit)."""
+
     static: common.Static
-    blocks: tuning.BlockSizes
+    blocks: tuning.AttentionBlocks  # fitted to the call
     shape: tuple  # (B, T, S) before padding
-
-
-def _round_up(n, multiple):
-    return -(-n // multiple) * multiple
-
-
-def _pad_axis(x, axis, size):
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad)
 
 
 def _pallas_attention(
@@ -284,10 +144,12 @@ def _pallas_attention(
     s, k_heads = key.shape[1], key.shape[2]
     d_pad = tuning.padded_head_dim(h)
     if block_sizes is None:
-        block_sizes = tuning.block_sizes_for(_compat.target_device()[0], d_pad)
+        block_sizes = tuning.blocks_for(_device.target()[0], d_pad)
     blocks = block_sizes.fit(t, s)
-    t_pad = _round_up(t, max(b.block_q for b in (blocks.forward, blocks.dkv, blocks.dq)))
-    s_pad = _round_up(s, max(b.block_k for b in (blocks.forward, blocks.dkv, blocks.dq)))
+    block_q = max(b.block_q for b in (blocks.forward, blocks.dkv, blocks.dq))
+    block_k = max(b.block_k for b in (blocks.forward, blocks.dkv, blocks.dq))
+    t_pad = _device.cdiv(t, block_q) * block_q
+    s_pad = _device.cdiv(s, block_k) * block_k
     static = common.Static(
         scale=scale,
         band=band,
@@ -304,11 +166,12 @@ def _pallas_attention(
     )
     config = _Config(static, blocks, (batch, t, s))
 
-    q = _pad_axis(_pad_axis(query, 3, d_pad), 1, t_pad)
-    k = _pad_axis(_pad_axis(key, 3, d_pad), 1, s_pad)
-    v = _pad_axis(_pad_axis(value, 3, d_pad), 1, s_pad)
+    pad = _device.pad_end
+    q = pad(query, (None, t_pad, None, d_pad))
+    k = pad(key, (None, s_pad, None, d_pad))
+    v = pad(value, (None, s_pad, None, d_pad))
     q_seg, kv_seg = (None, None) if segments is None else (
-        _pad_axis(segments[0], 1, t_pad), _pad_axis(segments[1], 1, s_pad)
+        pad(segments[0], (None, t_pad)), pad(segments[1], (None, s_pad))
     )
     out, lse = _flash_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len)
     return out[:, :t, :, :h], jnp.swapaxes(lse[:, :, :t], 1, 2)

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
+from pallas_kernels import _device, _operands
+from pallas_kernels._operands import Operands
 from pallas_kernels.attention import common, masking
 
 
@@ -27,34 +28,28 @@ def _probabilities(scores, lse2, static):
     return logits, jnp.exp2(logits - lse2)
 
 
-def _dkv_kernel(
-    table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, static, block_q, block_k,
-):
-    if static.has_segments:
-        q_seg_ref, kv_seg_ref, dk_ref, dv_ref = refs
-    else:
-        (dk_ref, dv_ref), q_seg_ref, kv_seg_ref = refs, None, None
+def _dkv_kernel(refs, *, static, block_q, block_k):
     k_block = pl.program_id(0)
-    k = k_ref[...]
-    v = v_ref[...]
-    kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
+    k = refs.k[...]
+    v = refs.v[...]
+    kv_seg = None if refs.kv_seg is None else refs.kv_seg[...]
     key_band = masking.transpose_band(static.band)
 
     def head(g, carry):
         def step(i, carry, masked):
             dk, dv = carry
-            q = q_ref[common.ds(i, block_q), g, :]
-            do = do_ref[common.ds(i, block_q), g, :]
+            q = refs.q[_device.block_slice(i, block_q), g, :]
+            do = refs.do[_device.block_slice(i, block_q), g, :]
             if masked and static.has_q_len:
-                q, do = common.zero_past(table_ref, masking.COL_LEN, i * block_q, q, do)
-            lse2 = lse_ref[g, common.ds(i, block_q)] * common.LOG2E
-            delta = delta_ref[g, common.ds(i, block_q)]
+                q, do = common.zero_past(refs.table, masking.COL_LEN, i * block_q, q, do)
+            lse2 = refs.lse[g, _device.block_slice(i, block_q)] * common.LOG2E
+            delta = refs.delta[g, _device.block_slice(i, block_q)]
             scores_t = jnp.dot(k, q.T, preferred_element_type=jnp.float32)  # (block_k, block_q)
             logits_t, probs_t = _probabilities(scores_t, lse2[None, :], static)
             if masked:
-                q_seg = None if q_seg_ref is None else q_seg_ref[common.ds(i, block_q)]
+                q_seg = None if refs.q_seg is None else refs.q_seg[_device.block_slice(i, block_q)]
                 mask = common.block_mask(
-                    table_ref, k_block * block_k, block_k, i * block_q, block_q, static,
+                    refs.table, k_block * block_k, block_k, i * block_q, block_q, static,
                     key_band, kv_seg, q_seg,
                 )
                 probs_t = jnp.where(mask, probs_t, 0.0)
@@ -68,39 +63,33 @@ def _dkv_kernel(
             dk += jnp.dot(dlogits_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
             return dk, dv
 
-        return common.visit_blocks(table_ref, step, carry, static)
+        return common.visit_blocks(refs.table, step, carry, static)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = jax.lax.fori_loop(0, static.groups, head, (zeros, zeros))
-    dk_ref[...] = (dk * static.scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    refs.dk[...] = (dk * static.scale).astype(refs.dk.dtype)
+    refs.dv[...] = dv.astype(refs.dv.dtype)
 
 
-def _dq_kernel(
-    table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, static, block_q, block_k,
-):
-    if static.has_segments:
-        q_seg_ref, kv_seg_ref, dq_ref = refs
-    else:
-        (dq_ref,), q_seg_ref, kv_seg_ref = refs, None, None
+def _dq_kernel(refs, *, static, block_q, block_k):
     q_block = pl.program_id(0)
-    q = q_ref[...]
-    do = do_ref[...]
-    lse2 = lse_ref[...] * common.LOG2E
-    delta = delta_ref[...]
-    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+    q = refs.q[...]
+    do = refs.do[...]
+    lse2 = refs.lse[...] * common.LOG2E
+    delta = refs.delta[...]
+    q_seg = None if refs.q_seg is None else refs.q_seg[...]
 
     def step(j, dq, masked):
-        k = k_ref[common.ds(j, block_k), :]
-        v = v_ref[common.ds(j, block_k), :]
+        k = refs.k[_device.block_slice(j, block_k), :]
+        v = refs.v[_device.block_slice(j, block_k), :]
         if masked and static.has_kv_len:  # (v's NaN dprobs are masked out of dlogits)
-            (k,) = common.zero_past(table_ref, masking.COL_LEN, j * block_k, k)
+            (k,) = common.zero_past(refs.table, masking.COL_LEN, j * block_k, k)
         scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
         logits, probs = _probabilities(scores, lse2[:, None], static)
         if masked:
-            kv_seg = None if kv_seg_ref is None else kv_seg_ref[common.ds(j, block_k)]
+            kv_seg = None if refs.kv_seg is None else refs.kv_seg[_device.block_slice(j, block_k)]
             mask = common.block_mask(
-                table_ref, q_block * block_q, block_q, j * block_k, block_k, static,
+                refs.table, q_block * block_q, block_q, j * block_k, block_k, static,
                 static.band, q_seg, kv_seg,
             )
             probs = jnp.where(mask, probs, 0.0)
@@ -112,8 +101,8 @@ def _dq_kernel(
             dlogits = jnp.where(mask, dlogits, 0.0)
         return dq + jnp.dot(dlogits.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-    dq = common.visit_blocks(table_ref, step, jnp.zeros(q.shape, jnp.float32), static)
-    dq_ref[...] = (dq * static.scale).astype(dq_ref.dtype)
+    dq = common.visit_blocks(refs.table, step, jnp.zeros(q.shape, jnp.float32), static)
+    refs.dq[...] = (dq * static.scale).astype(refs.dq.dtype)
 
 
 def dkv(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks):
@@ -128,27 +117,23 @@ def dkv(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks):
     group_spec = pl.BlockSpec((None, t_pad, groups, d_pad), lambda j, h, b: (b, 0, h, 0))
     group_rows = pl.BlockSpec((None, groups, t_pad), lambda j, h, b: (b, h, 0))
     kv_spec = pl.BlockSpec((None, bk, None, d_pad), lambda j, h, b: (b, j, h, 0))
-    in_specs = [
-        pl.BlockSpec((None, None, table.shape[-1]), lambda j, h, b: (b, j, 0)),
-        group_spec, kv_spec, kv_spec, group_spec, group_rows, group_rows,
-    ]
-    args = [table, q, k, v, do, lse, delta]
-    if static.has_segments:
-        in_specs += [
-            pl.BlockSpec((None, t_pad), lambda j, h, b: (b, 0)),
-            pl.BlockSpec((None, bk), lambda j, h, b: (b, j)),
-        ]
-        args += [q_seg, kv_seg]
-    return pl.pallas_call(
+    inputs = _inputs(
+        pl.BlockSpec((None, None, table.shape[-1]), lambda j, h, b: (b, j, 0)), table,
+        group_spec, kv_spec, group_rows, q, k, v, do, lse, delta,
+        pl.BlockSpec((None, t_pad), lambda j, h, b: (b, 0)), q_seg,
+        pl.BlockSpec((None, bk), lambda j, h, b: (b, j)), kv_seg,
+    )
+    outputs = (Operands().add("dk", kv_spec, jax.ShapeDtypeStruct(k.shape, k.dtype))
+               .add("dv", kv_spec, jax.ShapeDtypeStruct(v.shape, v.dtype)))
+    out = _operands.call(
         functools.partial(_dkv_kernel, static=static, block_q=bq, block_k=bk),
+        inputs, outputs,
         grid=(s_pad // bk, kv_heads, batch),
-        in_specs=in_specs,
-        out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_compat.triton_params(blocks.num_warps, blocks.num_stages),
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
         interpret=static.interpret,
         name="flash_attention_dkv",
-    )(*args)
+    )
+    return out["dk"], out["dv"]
 
 
 def dq(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks):
@@ -159,24 +144,28 @@ def dq(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks):
     q_spec = pl.BlockSpec((None, bq, None, d_pad), lambda i, h, b: (b, i, h, 0))
     rows_spec = pl.BlockSpec((None, None, bq), lambda i, h, b: (b, h, i))
     kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, b: (b, 0, h // groups, 0))
-    in_specs = [
-        pl.BlockSpec((None, None, table.shape[-1]), lambda i, h, b: (b, i, 0)),
-        q_spec, kv_spec, kv_spec, q_spec, rows_spec, rows_spec,
-    ]
-    args = [table, q, k, v, do, lse, delta]
-    if static.has_segments:
-        in_specs += [
-            pl.BlockSpec((None, bq), lambda i, h, b: (b, i)),
-            pl.BlockSpec((None, s_pad), lambda i, h, b: (b, 0)),
-        ]
-        args += [q_seg, kv_seg]
-    return pl.pallas_call(
+    inputs = _inputs(
+        pl.BlockSpec((None, None, table.shape[-1]), lambda i, h, b: (b, i, 0)), table,
+        q_spec, kv_spec, rows_spec, q, k, v, do, lse, delta,
+        pl.BlockSpec((None, bq), lambda i, h, b: (b, i)), q_seg,
+        pl.BlockSpec((None, s_pad), lambda i, h, b: (b, 0)), kv_seg,
+    )
+    outputs = Operands().add("dq", q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return _operands.call(
         functools.partial(_dq_kernel, static=static, block_q=bq, block_k=bk),
+        inputs, outputs,
         grid=(t_pad // bq, heads, batch),
-        in_specs=in_specs,
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_compat.triton_params(blocks.num_warps, blocks.num_stages),
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
         interpret=static.interpret,
         name="flash_attention_dq",
-    )(*args)
+    )["dq"]
+
+
+def _inputs(table_spec, table, q_spec, kv_spec, rows_spec, q, k, v, do, lse, delta,
+            q_seg_spec, q_seg, kv_seg_spec, kv_seg):
+    """The named inputs of a backward kernel: q and dO share `q_spec`, k and v `kv_spec`, lse
+    and delta `rows_spec`; the segment ids (or None) their own."""
+    return (Operands().add("table", table_spec, table)
+            .add("q", q_spec, q).add("k", kv_spec, k).add("v", kv_spec, v).add("do", q_spec, do)
+            .add("lse", rows_spec, lse).add("delta", rows_spec, delta)
+            .add("q_seg", q_seg_spec, q_seg).add("kv_seg", kv_seg_spec, kv_seg))

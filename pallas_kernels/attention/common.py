@@ -6,7 +6,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from pallas_kernels.attention import masking
 
@@ -91,8 +90,3 @@ def visit_blocks(table_ref, step, carry, static: Static):
     carry = jax.lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
     carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
     return jax.lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
-
-
-def ds(block_index, size):
-    """The slice of block `block_index` of a dimension split into blocks of `size`."""
-    return pl.ds(pl.multiple_of(block_index * size, size), size)

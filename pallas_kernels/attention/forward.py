@@ -11,32 +11,29 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
+from pallas_kernels import _device, _operands
+from pallas_kernels._operands import Operands
 from pallas_kernels.attention import common, masking
 
 
-def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, static, block_q, block_k, num_q_blocks):
-    if static.has_segments:
-        q_seg_ref, kv_seg_ref, out_ref, lse_ref = refs
-    else:
-        (out_ref, lse_ref), q_seg_ref, kv_seg_ref = refs, None, None
+def _forward_kernel(refs, *, static, block_q, block_k, num_q_blocks):
     q_block = num_q_blocks - 1 - pl.program_id(0)  # heaviest causal blocks first
-    q = q_ref[...]
-    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+    q = refs.q[...]
+    q_seg = None if refs.q_seg is None else refs.q_seg[...]
 
     def step(j, carry, masked):
         acc, row_max, row_sum = carry
-        k = k_ref[common.ds(j, block_k), :]
-        v = v_ref[common.ds(j, block_k), :]
+        k = refs.k[_device.block_slice(j, block_k), :]
+        v = refs.v[_device.block_slice(j, block_k), :]
         if masked and static.has_kv_len:  # (k's NaN logits are masked out before the exp)
-            (v,) = common.zero_past(table_ref, masking.COL_LEN, j * block_k, v)
+            (v,) = common.zero_past(refs.table, masking.COL_LEN, j * block_k, v)
         logits = common.base2_logits(
             jnp.dot(q, k.T, preferred_element_type=jnp.float32), static
         )
         if masked:
-            kv_seg = None if kv_seg_ref is None else kv_seg_ref[common.ds(j, block_k)]
+            kv_seg = None if refs.kv_seg is None else refs.kv_seg[_device.block_slice(j, block_k)]
             mask = common.block_mask(
-                table_ref, q_block * block_q, block_q, j * block_k, block_k, static,
+                refs.table, q_block * block_q, block_q, j * block_k, block_k, static,
                 static.band, q_seg, kv_seg,
             )
             logits = jnp.where(mask, logits, -jnp.inf)
@@ -56,11 +53,11 @@ def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, static, block_q, bloc
         jnp.full((block_q,), jnp.finfo(jnp.float32).min, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    acc, row_max, row_sum = common.visit_blocks(table_ref, step, carry, static)
+    acc, row_max, row_sum = common.visit_blocks(refs.table, step, carry, static)
     empty = row_sum == 0.0
     safe_sum = jnp.where(empty, 1.0, row_sum)
-    out_ref[...] = (acc / safe_sum[:, None]).astype(out_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) * common.LN2)
+    refs.out[...] = (acc / safe_sum[:, None]).astype(refs.out.dtype)
+    refs.lse[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) * common.LN2)
 
 
 def forward(q, k, v, q_seg, kv_seg, table, *, static, blocks):
@@ -80,36 +77,26 @@ def forward(q, k, v, q_seg, kv_seg, table, *, static, blocks):
     def q_block(i):
         return num_q_blocks - 1 - i
 
-    in_specs = [
-        pl.BlockSpec((None, None, table.shape[-1]), lambda i, h, b: (b, q_block(i), 0)),
-        pl.BlockSpec((None, block_q, None, d_pad), lambda i, h, b: (b, q_block(i), h, 0)),
-        pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, b: (b, 0, h // groups, 0)),
-        pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, b: (b, 0, h // groups, 0)),
-    ]
-    args = [table, q, k, v]
-    if static.has_segments:
-        in_specs += [
-            pl.BlockSpec((None, block_q), lambda i, h, b: (b, q_block(i))),
-            pl.BlockSpec((None, s_pad), lambda i, h, b: (b, 0)),
-        ]
-        args += [q_seg, kv_seg]
+    q_spec = pl.BlockSpec((None, block_q, None, d_pad), lambda i, h, b: (b, q_block(i), h, 0))
+    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, b: (b, 0, h // groups, 0))
+    inputs = (Operands()
+              .add("table", pl.BlockSpec((None, None, table.shape[-1]),
+                                         lambda i, h, b: (b, q_block(i), 0)), table)
+              .add("q", q_spec, q).add("k", kv_spec, k).add("v", kv_spec, v)
+              .add("q_seg", pl.BlockSpec((None, block_q), lambda i, h, b: (b, q_block(i))), q_seg)
+              .add("kv_seg", pl.BlockSpec((None, s_pad), lambda i, h, b: (b, 0)), kv_seg))
+    outputs = (Operands().add("out", q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype))
+               .add("lse", pl.BlockSpec((None, None, block_q), lambda i, h, b: (b, h, q_block(i))),
+                    jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32)))
     kernel = functools.partial(
         _forward_kernel, static=static, block_q=block_q, block_k=block_k,
         num_q_blocks=num_q_blocks,
     )
-    return pl.pallas_call(
-        kernel,
+    out = _operands.call(
+        kernel, inputs, outputs,
         grid=(num_q_blocks, heads, batch),
-        in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, block_q, None, d_pad), lambda i, h, b: (b, q_block(i), h, 0)),
-            pl.BlockSpec((None, None, block_q), lambda i, h, b: (b, h, q_block(i))),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32),
-        ],
-        compiler_params=_compat.triton_params(blocks.num_warps, blocks.num_stages),
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
         interpret=static.interpret,
         name="flash_attention_forward",
-    )(*args)
+    )
+    return out["out"], out["lse"]

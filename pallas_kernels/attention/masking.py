@@ -13,6 +13,8 @@ queries that see each key, which is what the dK/dV kernel loops over.
 
 import jax.numpy as jnp
 
+from pallas_kernels import _device
+
 # Columns of the per-block table that `block_table` builds for the kernels.
 LO, HI, FULL_LO, FULL_HI, ROW_LEN, COL_LEN = range(6)
 TABLE_WIDTH = 8  # a power of two, as Triton requires of every in-kernel array
@@ -74,10 +76,6 @@ def dense_mask(
     return mask if mask.ndim == 3 else mask[None]
 
 
-def _cdiv(x, y):
-    return -((-x) // y)
-
-
 def block_table(
     *, num_row_blocks, row_block, num_col_blocks, col_block, band, row_len, col_len,
     row_segments=None, col_segments=None, xp=jnp,
@@ -121,7 +119,8 @@ def block_table(
         full_lo = full_hi = hi_block
     else:
         row_end = row_start + row_block
-        full_lo = xp.maximum(0 if lo is None else _cdiv(row_end - 1 + lo, col_block), lo_block)
+        full_lo = xp.maximum(0 if lo is None else _device.cdiv(row_end - 1 + lo, col_block),
+                             lo_block)
         full_hi = col_len // col_block
         if hi is not None:
             full_hi = xp.minimum(full_hi, (row_start + hi + 1) // col_block)

@@ -1,8 +1,10 @@
 """SSD backward kernels (Pallas, Triton lowering), deterministic: no atomics.
 
+* `gradients`: every input's gradient from the residuals of the forward: the z gate, D, A and
+  the dt preprocessing in XLA around the kernels below.
 * `states_and_gradients`: two independent walks in one launch, the forward kernel recomputing
   the state entering each chunk (`forward(emit="states")`) and `state_gradients`: one program
-  per (batch row, head, head-dim block, part: see `segments`) walks the chunks in reverse,
+  per (batch row, head, head-dim block, part: see `walks`) walks the chunks in reverse,
   G <- dH_local + exp(s_last) G, writing G (the gradient of the state leaving each chunk) and
   the initial-state gradient.
 * `chunk_gradients`: one program per (chunk, block of one group's heads, batch row) loops over
@@ -31,144 +33,163 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
-from pallas_kernels.mamba2 import common, forward, segments
+from pallas_kernels import _device, _operands
+from pallas_kernels._operands import Operands
+from pallas_kernels.mamba2 import common, forward, semantics, walks
 
 
-def _state_gradients_kernel(program, dy_ref, s_ref, c_ref, *refs, static, has_final):
-    refs = list(refs)
-    seq_ref = refs.pop(0) if static.has_seq_idx else None
-    dfinal_ref = refs.pop(0) if has_final else None
-    num_units = static.schedule.num_units
-    if num_units > 1:
-        unit_grads_ref, unit_decays_ref = refs.pop(0), refs.pop(0)
-    gstates_ref, dh0_ref = refs
-    part = segments.walk_part(program, static)
+def gradients(residuals, dy, dfinal, *, static, blocks, plan):
+    """The gradients of (x, dt, dt_bias, A, B, C, D, z, h0) of the padded SSD (None for an
+    absent input) from its forward's residuals (x, dt, dt_bias, dt', s, A, B, C, D, z, h0, seq,
+    y_pre, entries: see `api`) and the cotangents dy (b, Tp, H, Pp) of y and dfinal
+    (b, H, Pp, Np) of the final state."""
+    x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre, entries = residuals
+    dz = None
+    if z is not None:
+        zf = z.astype(jnp.float32)
+        sig = jax.nn.sigmoid(zf)
+        dz = (dy.astype(jnp.float32) * y_pre.astype(jnp.float32) * sig * (1 + zf * (1 - sig)))
+        dz = dz.astype(z.dtype)
+        dy = dy.astype(jnp.float32) * zf * sig
+    dy = dy.astype(x.dtype)
+    states, gstates, dh0 = states_and_gradients(
+        x, dy, dt_step, s, B, C, seq, h0, dfinal.astype(jnp.float32), entries, static=static,
+        blocks=blocks, plan=plan)
+    dx, ddt_x, dlog_decay, dB, dC = chunk_gradients(
+        x, dy, dt_step, s, B, C, seq, D, states, gstates, static=static, blocks=blocks, plan=plan)
+    ddt_step = dlog_decay * A[None, :, None] + ddt_x
+    dA = jnp.sum(dlog_decay * dt_step, axis=(0, 2))
+    ddt, ddt_bias = _step_size_vjp(static, dt, dt_bias, ddt_step)
+    dD = None
+    if D is not None:
+        dD = jnp.sum(dy.astype(jnp.float32) * x.astype(jnp.float32), axis=(0, 1))
+    return dx, ddt, ddt_bias, dA, dB, dC, dD, dz, None if h0 is None else dh0
+
+
+def _step_size_vjp(static, dt, dt_bias, ddt_step):
+    """Gradients of the raw dt (b, Tp, H) and dt_bias (or None) from that of dt' (b, H, Tp),
+    through `semantics.step_sizes` (what `preprocess.preprocess` computes in the kernel)."""
+    real = jnp.arange(dt.shape[1]) < static.seq_len  # padding tokens have no step
+    ddt_step = jnp.where(real[None, :, None], jnp.swapaxes(ddt_step, 1, 2), 0.0)
+
+    def step_sizes(dt, dt_bias):
+        return semantics.step_sizes(dt, dt_bias, static.dt_softplus, static.dt_limit,
+                                    jnp.float32)
+
+    step, vjp = jax.vjp(step_sizes, dt, dt_bias)
+    return vjp(ddt_step.astype(step.dtype))
+
+
+def _state_gradients_kernel(program, refs, *, static, block_t, plan):
+    num_units = plan.schedule.num_units
+    part = walks.walk_part(program, plan)
 
     def chunk(i, grad):
         c = part.first_chunk + part.num_chunks - 1 - i
-        gstates_ref[c] = grad.astype(gstates_ref.dtype)
-        tok = common.chunk_tokens(c, static)
-        dy = dy_ref[tok, :]
-        cmat = c_ref[tok, :]
-        masks = common.chunk_masks(c, s_ref, seq_ref, static)
+        refs.gstates[c] = grad.astype(refs.gstates.dtype)
+        tok = _device.block_slice(c, block_t)
+        dy = refs.dy[tok, :]
+        cmat = refs.c[tok, :]
+        masks = common.chunk_masks(c, refs.s, refs.seq, block_t)
         dy_weighted = masks.carried_in(dy.astype(jnp.float32)).astype(cmat.dtype)
         local = jnp.dot(dy_weighted.T, masks.of_continuing(cmat),
                         preferred_element_type=jnp.float32)  # (P, N)
         return local + masks.pass_on(grad)
 
     grad = (
-        dfinal_ref[...].astype(jnp.float32)
-        if dfinal_ref is not None
-        else jnp.zeros(dh0_ref.shape, jnp.float32)
+        refs.dfinal[...].astype(jnp.float32)
+        if refs.dfinal is not None
+        else jnp.zeros(refs.dh0.shape, jnp.float32)
     )
     if num_units > 1:
         # The gradient of the state leaving this part: the later units' own gradients passed
         # back (index j holds unit j + 1).
         def leave(i, grad):
             j = num_units - 2 - i
-            return unit_grads_ref[j] + segments.pass_on(unit_decays_ref[j, 0], grad, static)
+            return refs.unit_sums[j] + walks.pass_on(refs.unit_decays[j, 0], grad, static)
 
         grad = jax.lax.fori_loop(0, num_units - part.end_unit, leave, grad)
     grad = jax.lax.fori_loop(0, part.num_chunks, chunk, grad)
 
     @pl.when(part.first_unit == 0)
     def _():
-        dh0_ref[...] = grad
+        refs.dh0[...] = grad
 
 
-def state_gradients(dy, dt, s, c, seq, dfinal, *, static):
-    """Gradients of the chunk-leaving states and of h0.
-
-    dy (B, Tp, H, Pp) is the gradient of the pre-gate output; dt, s (B, H, Tp); c (B, Tp, G, Np);
-    seq (B, Tp) or None; dfinal (B, H, Pp, Np) float32 or None. Returns gstates
-    (B, nc, H, Pp, Np) in dy's dtype and dh0 (B, H, Pp, Np) float32.
-    """
-    (outs,) = segments.launch([state_gradients_call(dy, dt, s, c, seq, dfinal, static=static)],
-                              num_warps=static.num_warps, num_stages=static.num_stages,
-                              interpret=static.interpret)
-    return tuple(outs)
-
-
-def states_and_gradients(x, dy, dt, s, b, c, seq, h0, dfinal, entries, *, static):
+def states_and_gradients(x, dy, dt, s, b, c, seq, h0, dfinal, entries, *, static, blocks,
+                         plan):
     """The backward's two walks in one launch: the states entering each chunk, recomputed
-    (`forward.forward(emit="states")`), and the state gradients (`state_gradients`).
+    (`forward.forward(emit="states")`), and the state gradients (`state_gradients_call`).
 
     They are independent, so the programs of one fill what the other leaves idle: at b 2 T 8192
     the gradient walks are 160 programs of 128 chunks, fewer than the GPU runs at once. The
     gradient walks launch first, as the longer ones. `entries` are the states the forward's
-    programs started from, or None (the forward did not cut its walks), and `static` the
+    programs started from, or None (the forward did not cut its walks), and `plan` the
     forward's; the gradient walks, and the recompute without entries, take the backward's cut
-    (`static.for_backward()`). Returns (states, gstates, dh0); arguments as in the two.
+    (`plan.for_backward()`). Returns (states, gstates, dh0): states and gstates
+    (B, nc, H, Pp, Np) in x's dtype, dh0 (B, H, Pp, Np) float32.
     """
-    backward_static = static.for_backward()
+    backward_plan = plan.for_backward()
     recompute = forward.scan_call(x, dt, s, b, c, seq, None, None, h0, emit="states",
-                                  static=backward_static if entries is None else static,
+                                  static=static, blocks=blocks,
+                                  plan=backward_plan if entries is None else plan,
                                   entries=entries)
-    gradients = state_gradients_call(dy, dt, s, c, seq, dfinal, static=backward_static)
-    (gstates, dh0), (states, _) = segments.launch(
-        [gradients, recompute], num_warps=static.num_warps, num_stages=static.num_stages,
+    gradients = state_gradients_call(dy, dt, s, c, seq, dfinal, static=static, blocks=blocks,
+                                     plan=backward_plan)
+    grads, states = walks.launch(
+        [gradients, recompute], num_warps=blocks.num_warps, num_stages=blocks.num_stages,
         interpret=static.interpret)
-    return states, gstates, dh0
+    return states["states"], grads["gstates"], grads["dh0"]
 
 
-def state_gradients_call(dy, dt, s, c, seq, dfinal, *, static):
-    """The `segments.ScanCall` of `state_gradients` (same arguments)."""
+def state_gradients_call(dy, dt, s, c, seq, dfinal, *, static, blocks, plan):
+    """The `walks.ScanCall` of the state gradients: gstates (B, nc, H, Pp, Np) in dy's dtype,
+    the gradient of the state leaving each chunk, and dh0 (B, H, Pp, Np) float32.
+
+    dy (B, Tp, H, Pp) is the gradient of the pre-gate output; dt, s (B, H, Tp); c (B, Tp, G, Np);
+    seq (B, Tp) or None; dfinal (B, H, Pp, Np) float32 or None.
+    """
     batch, t_pad, heads, p_pad = dy.shape
     n_pad = c.shape[-1]
-    bp, nc, num_p_blocks = static.block_p, static.num_chunks, p_pad // static.block_p
+    bp, nc, num_p_blocks = blocks.block_p, plan.num_chunks, p_pad // blocks.block_p
     hpg = heads // c.shape[2]
-    index = segments.program_index(static, heads, num_p_blocks, hpg)
+    index = walks.program_index(plan, heads, num_p_blocks, hpg)
     state_spec = pl.BlockSpec((None, None, bp, n_pad), index.state)
-    in_specs = [
-        pl.BlockSpec((None, t_pad, None, bp), index.tokens),
-        pl.BlockSpec((None, None, t_pad), index.per_head),
-        pl.BlockSpec((None, t_pad, None, n_pad), index.group),
-    ]
-    args = [dy, s, c]
-    if static.has_seq_idx:
-        in_specs.append(pl.BlockSpec((None, t_pad), index.row))
-        args.append(seq)
-    if dfinal is not None:
-        in_specs.append(state_spec)
-        args.append(dfinal)
-    if static.schedule.num_units > 1:
-        in_specs += segments.specs(static, n_pad, "gradients")
-        args += segments.segment_sums(dy, dt, s, c, seq, static=static, kind="gradients")
-    return segments.ScanCall(
-        functools.partial(_state_gradients_kernel, static=static, has_final=dfinal is not None),
-        segments.num_programs(static),
-        in_specs,
-        args,
-        [pl.BlockSpec((None, nc, None, bp, n_pad), index.chunk_states), state_spec],
-        [
-            jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), dy.dtype),
-            jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32),
-        ],
-        "ssd_state_gradients",
-    )
+    inputs = (Operands()
+              .add("dy", pl.BlockSpec((None, t_pad, None, bp), index.tokens), dy)
+              .add("s", pl.BlockSpec((None, None, t_pad), index.per_head), s)
+              .add("c", pl.BlockSpec((None, t_pad, None, n_pad), index.group), c)
+              .add("seq", pl.BlockSpec((None, t_pad), index.row), seq)
+              .add("dfinal", state_spec, dfinal))
+    if plan.schedule.num_units > 1:
+        sums = walks.unit_sums(dy, dt, s, c, seq, static=static, blocks=blocks, plan=plan,
+                               kind="gradients")
+        walks.add_unit_sums(inputs, *sums, plan, n_pad, bp, "gradients")
+    outputs = (Operands()
+               .add("gstates", pl.BlockSpec((None, nc, None, bp, n_pad), index.chunk_states),
+                    jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), dy.dtype))
+               .add("dh0", state_spec,
+                    jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32)))
+    return walks.ScanCall(
+        functools.partial(_state_gradients_kernel, static=static, block_t=blocks.block_t,
+                          plan=plan),
+        walks.num_programs(plan), inputs, outputs, "ssd_state_gradients")
 
 
-def _chunk_gradients_kernel(
-    x_ref, dy_ref, dt_ref, s_ref, b_ref, c_ref, gstates_ref, *refs, static, heads_per_program,
-):
-    refs = list(refs)
-    seq_ref = refs.pop(0) if static.has_seq_idx else None
-    d_ref = refs.pop(0) if static.has_d else None
-    dx_ref, ddt_ref, dcumsum_ref, into_state_ref = refs
+def _chunk_gradients_kernel(refs, *, block_t, heads_per_program):
     c = pl.program_id(0)
-    b = b_ref[...]
+    b = refs.b[...]
     dtype = b.dtype
     # C B^T (Q, Q), held in the inputs' dtype (the weights below are rounded to it anyway): it
     # stays live across the head loop, in a kernel short of registers.
-    scores = jnp.dot(c_ref[...], b.T, preferred_element_type=jnp.float32).astype(dtype)
+    scores = jnp.dot(refs.c[...], b.T, preferred_element_type=jnp.float32).astype(dtype)
 
     def head(j, carry):
-        x = x_ref[:, j, :]
-        dy = dy_ref[:, j, :]
-        dt = dt_ref[j, common.chunk_tokens(c, static)]
-        masks = common.chunk_masks(c, s_ref, seq_ref, static, head=j)
-        grad = gstates_ref[j].astype(dtype)  # (P, N): gradient of the state leaving it
+        x = refs.x[:, j, :]
+        dy = refs.dy[:, j, :]
+        dt = refs.dt[j, _device.block_slice(c, block_t)]
+        masks = common.chunk_masks(c, refs.s, refs.seq, block_t, head=j)
+        grad = refs.gstates[j].astype(dtype)  # (P, N): gradient of the state leaving it
         x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
         x_bar = (x32 * dt[:, None]).astype(dtype)
         weights = masks.weigh(scores.astype(jnp.float32)).astype(dtype)  # C B^T o L
@@ -177,22 +198,22 @@ def _chunk_gradients_kernel(
         dx_bar_intra = jnp.dot(weights.T, dy, preferred_element_type=jnp.float32)
         dx_bar = masks.to_state(grad_b) + dx_bar_intra
         dx = dx_bar * dt[:, None]
-        if d_ref is not None:
-            dx += d_ref[j, :][None, :] * dy32
-        dx_ref[:, j, :] = dx.astype(dx_ref.dtype)
-        ddt_ref[j, :] = jnp.sum(dx_bar * x32, axis=1)
+        if refs.d is not None:
+            dx += refs.d[j, :][None, :] * dy32
+        refs.dx[:, j, :] = dx.astype(refs.dx.dtype)
+        refs.ddt[j, :] = jnp.sum(dx_bar * x32, axis=1)
         # The log-decay gradient's intra-chunk per-token parts (see `chunk_gradients`), with
         # the intra-chunk output before D, (Q, P):
         x_bar32 = x_bar.astype(jnp.float32)
         y_intra = jnp.dot(weights, x_bar, preferred_element_type=jnp.float32)
-        dcumsum_ref[j, :] = jnp.sum(dy32 * y_intra - x_bar32 * dx_bar_intra, axis=1)
-        into_state_ref[j, :] = masks.to_state(jnp.sum(x_bar32 * grad_b, axis=1))
+        refs.dcumsum[j, :] = jnp.sum(dy32 * y_intra - x_bar32 * dx_bar_intra, axis=1)
+        refs.into_state[j, :] = masks.to_state(jnp.sum(x_bar32 * grad_b, axis=1))
         return carry
 
     jax.lax.fori_loop(0, heads_per_program, head, None)
 
 
-def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
+def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static, blocks, plan):
     """dx, the per-head float32 vectors (ddt_x, dlog_decay), and dB, dC.
 
     x, dy (B, Tp, H, Pp); dt, s (B, H, Tp) float32; b, c (B, Tp, G, Np); seq (B, Tp) or None;
@@ -200,7 +221,7 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
     in x's dtype; ddt_x (the dt' term of dx) and dlog_decay (the gradient of a = dt' A)
     (B, H, Tp) float32; db and dc (B, Tp, G, Np) in b's dtype.
 
-    One program per (chunk, block of `static.heads_per_program` heads of one group, batch row)
+    One program per (chunk, block of `blocks.heads_per_program` heads of one group, batch row)
     gives dx and the log-decay gradient's intra-chunk parts; dB and dC come from `_state_terms`
     (one program per chunk and group, looping over its heads; it also gives the log-decay
     gradient's terms through the states), the log-decay gradient's reverse cumsum from XLA: a
@@ -208,8 +229,8 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
     """
     batch, t_pad, heads, p_pad = x.shape
     groups, n_pad = b.shape[2], b.shape[3]
-    hpg, q, nc = heads // groups, static.block_t, static.num_chunks
-    hb = static.heads_per_program
+    hpg, q, nc = heads // groups, blocks.block_t, plan.num_chunks
+    hb = blocks.heads_per_program
     blocks_per_group = hpg // hb
     tokens = pl.BlockSpec((None, q, hb, p_pad), lambda ci, k, i: (i, ci, k, 0))
     per_head_full = pl.BlockSpec((None, hb, t_pad), lambda ci, k, i: (i, k, 0))
@@ -218,28 +239,29 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
         (None, q, None, n_pad), lambda ci, k, i: (i, ci, k // blocks_per_group, 0)
     )
     chunk_states = pl.BlockSpec((None, None, hb, p_pad, n_pad), lambda ci, k, i: (i, ci, k, 0, 0))
-    in_specs = [tokens, tokens, per_head_full, per_head_full, group, group, chunk_states]
-    args = [x, dy, dt, s, b, c, gstates]
-    if static.has_seq_idx:
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda ci, k, i: (i, 0)))
-        args.append(seq)
-    if static.has_d:
-        in_specs.append(pl.BlockSpec((hb, p_pad), lambda ci, k, i: (k, 0)))
-        args.append(d)
+    inputs = (Operands()
+              .add("x", tokens, x).add("dy", tokens, dy)
+              .add("dt", per_head_full, dt).add("s", per_head_full, s)
+              .add("b", group, b).add("c", group, c).add("gstates", chunk_states, gstates)
+              .add("seq", pl.BlockSpec((None, t_pad), lambda ci, k, i: (i, 0)), seq)
+              .add("d", pl.BlockSpec((hb, p_pad), lambda ci, k, i: (k, 0)), d))
     per_token = jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32)
-    dx, ddt_x, dcumsum, into_state = pl.pallas_call(
-        functools.partial(_chunk_gradients_kernel, static=static, heads_per_program=hb),
+    outputs = (Operands().add("dx", tokens, jax.ShapeDtypeStruct(x.shape, x.dtype))
+               .add("ddt", per_head_chunk, per_token)
+               .add("dcumsum", per_head_chunk, per_token)
+               .add("into_state", per_head_chunk, per_token))
+    out = _operands.call(
+        functools.partial(_chunk_gradients_kernel, block_t=q, heads_per_program=hb),
+        inputs, outputs,
         grid=(nc, heads // hb, batch),
-        in_specs=in_specs,
-        out_specs=[tokens, *[per_head_chunk] * 3],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), *[per_token] * 3],
-        compiler_params=_compat.triton_params(static.grad_num_warps, static.grad_num_stages),
+        num_warps=blocks.grad_num_warps, num_stages=blocks.grad_num_stages,
         interpret=static.interpret,
         name="ssd_chunk_gradients",
-    )(*args)
+    )
+    dx, ddt_x, dcumsum, into_state = (out[k] for k in ("dx", "ddt", "dcumsum", "into_state"))
 
     db, dc, passing, carried = _state_terms(x, dy, dt, s, b, c, seq, states, gstates,
-                                            static=static)
+                                            static=static, blocks=blocks, plan=plan)
 
     # Gradient of the log decay a_t. Within a chunk the decays depend on a only through the
     # cumsum s, so d/da_t = sum_{u >= t} d/ds_u. Each decay is exp(s_end - s_start) of a span
@@ -251,8 +273,8 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static):
     # state start at j and all end at the last token: their reverse cumsum is
     # sum_{j<t} into_state_j, plus the state passed on, exp(s_last) <G, H> (`passing`), for
     # every t.
-    # Both in-chunk sums are one float32 matmul with a (2Q, Q) 0/1 matrix (XLA's cumsums here,
-    # reduce-windows fused with the dt transposes, took ~65 us on an H200). With seq_idx the
+    # Both in-chunk sums are one float32 matmul with a (2Q, Q) 0/1 matrix (one pass, where
+    # XLA's cumsums took reduce-windows fused with the dt transposes). With seq_idx the
     # spans' sums run over each token's own sequence, as s does (`preprocess`).
     rows, cols = jnp.arange(q)[:, None], jnp.arange(q)[None, :]
     spans = (dcumsum + carried).reshape(batch, heads, nc, q)
@@ -288,21 +310,19 @@ def _reverse_sums_by_sequence(values, seq):
     return jnp.where(non_finite > 0, jnp.nan, sums)
 
 
-def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, b_ref, c_ref, states_ref, gstates_ref,
-                        *refs, static):
-    seq_ref = refs[0] if static.has_seq_idx else None
-    db_ref, dc_ref, passing_ref, carried_ref = refs[-4:]
+def _state_terms_kernel(refs, *, block_t):
     c = pl.program_id(0)
-    cmat = c_ref[...]
+    cmat = refs.c[...]
     dtype = cmat.dtype
+    has_seq = refs.seq is not None
 
     def head(j, accs):
         db, dc, dscores = accs
-        masks = common.chunk_masks(c, s_ref, seq_ref, static, head=j)
-        state, grad = states_ref[j], gstates_ref[j]  # (P, N): entering, gradient of leaving
-        dt = dt_ref[j, common.chunk_tokens(c, static)]
-        x32 = x_ref[:, j, :].astype(jnp.float32)
-        dy = dy_ref[:, j, :]
+        masks = common.chunk_masks(c, refs.s, refs.seq, block_t, head=j)
+        state, grad = refs.states[j], refs.gstates[j]  # (P, N): entering, gradient of leaving
+        dt = refs.dt[j, _device.block_slice(c, block_t)]
+        x32 = refs.x[:, j, :].astype(jnp.float32)
+        dy = refs.dy[:, j, :]
         # Intra-chunk: the gradient of the scores C B^T, summed over the group's heads (C and
         # B are shared by them), dS = sum_h L_h o (dY_h xbar_h^T).
         x_bar = (x32 * dt[:, None]).astype(dtype)
@@ -310,36 +330,36 @@ def _state_terms_kernel(x_ref, dy_ref, dt_ref, s_ref, b_ref, c_ref, states_ref, 
         # dB: x bar decayed to the chunk's end, times G; dC: dY decayed from its start, times H
         # (products with the states are taken before the masks, which then select: a state may
         # hold another sequence's non-finite values).
-        x_scaled = masks.to_state(x32, dt) if seq_ref is None else x32 * dt[:, None]
+        x_scaled = masks.to_state(x32, dt) if not has_seq else x32 * dt[:, None]
         db_state = jnp.dot(x_scaled.astype(grad.dtype), grad, preferred_element_type=jnp.float32)
-        db += db_state if seq_ref is None else masks.to_state(db_state)
+        db += db_state if not has_seq else masks.to_state(db_state)
         dy32 = dy.astype(jnp.float32)
-        dy_scaled = masks.carried_in(dy32) if seq_ref is None else dy32
+        dy_scaled = masks.carried_in(dy32) if not has_seq else dy32
         dc_state = jnp.dot(dy_scaled.astype(state.dtype), state, preferred_element_type=jnp.float32)
-        dc += dc_state if seq_ref is None else masks.carried_in(dc_state)
+        dc += dc_state if not has_seq else masks.carried_in(dc_state)
         # The log-decay gradient's per-token part through the state entering the chunk,
         # dY_l . exp(s_l) (C H^T)_l.
         carried = jnp.dot(cmat, state.T, preferred_element_type=jnp.float32)  # (Q, P)
-        carried_ref[j, :] = masks.carried_in(jnp.sum(dy32 * carried, axis=1))
+        refs.carried[j, :] = masks.carried_in(jnp.sum(dy32 * carried, axis=1))
         # The state-passing term of the log-decay gradient, exp(s_last) <G, H>, summed over N
         # here and over P by the caller.
         overlap = jnp.sum(grad.astype(jnp.float32) * state.astype(jnp.float32), axis=1)
-        passing_ref[j, :] = masks.pass_on(overlap)
+        refs.passing[j, :] = masks.pass_on(overlap)
         return db, dc, dscores
 
     q, n = cmat.shape
     zeros = jnp.zeros((q, n), jnp.float32)
     db, dc, dscores = jax.lax.fori_loop(
-        0, x_ref.shape[1], head, (zeros, zeros, jnp.zeros((q, q), jnp.float32))
+        0, refs.x.shape[1], head, (zeros, zeros, jnp.zeros((q, q), jnp.float32))
     )
     dscores = dscores.astype(dtype)
     db += jnp.dot(dscores.T, cmat, preferred_element_type=jnp.float32)
-    dc += jnp.dot(dscores, b_ref[...], preferred_element_type=jnp.float32)
-    db_ref[...] = db.astype(db_ref.dtype)
-    dc_ref[...] = dc.astype(dc_ref.dtype)
+    dc += jnp.dot(dscores, refs.b[...], preferred_element_type=jnp.float32)
+    refs.db[...] = db.astype(refs.db.dtype)
+    refs.dc[...] = dc.astype(refs.dc.dtype)
 
 
-def _state_terms(x, dy, dt, s, b, c, seq, states, gstates, *, static):
+def _state_terms(x, dy, dt, s, b, c, seq, states, gstates, *, static, blocks, plan):
     """(db, dc, passing, carried): dB and dC (B, Tp, G, Np) in b's dtype, and the log-decay
     gradient's terms through the states, float32: passing (B, H, nc), exp(s_last) <G, H> per
     chunk (the gradient of each of the chunk's log-decays through the state passed on), and
@@ -356,35 +376,31 @@ def _state_terms(x, dy, dt, s, b, c, seq, states, gstates, *, static):
     """
     batch, t_pad, heads, p_pad = x.shape
     groups, n_pad = b.shape[2], b.shape[3]
-    hpg, q, nc = heads // groups, static.block_t, static.num_chunks
+    hpg, q, nc = heads // groups, blocks.block_t, plan.num_chunks
     tokens = pl.BlockSpec((None, q, hpg, p_pad), lambda ci, g, i: (i, ci, g, 0))
     per_head = pl.BlockSpec((None, hpg, t_pad), lambda ci, g, i: (i, g, 0))
     chunk_states = pl.BlockSpec((None, None, hpg, p_pad, n_pad), lambda ci, g, i: (i, ci, g, 0, 0))
     group_tokens = pl.BlockSpec((None, q, None, n_pad), lambda ci, g, i: (i, ci, g, 0))
-    in_specs = [tokens, tokens, per_head, per_head, group_tokens, group_tokens, chunk_states,
-                chunk_states]
-    args = [x, dy, dt, s, b, c, states, gstates]
-    if static.has_seq_idx:
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda ci, g, i: (i, 0)))
-        args.append(seq)
-    db, dc, passing, carried = pl.pallas_call(
-        functools.partial(_state_terms_kernel, static=static),
+    inputs = (Operands()
+              .add("x", tokens, x).add("dy", tokens, dy)
+              .add("dt", per_head, dt).add("s", per_head, s)
+              .add("b", group_tokens, b).add("c", group_tokens, c)
+              .add("states", chunk_states, states).add("gstates", chunk_states, gstates)
+              .add("seq", pl.BlockSpec((None, t_pad), lambda ci, g, i: (i, 0)), seq))
+    outputs = (Operands()
+               .add("db", group_tokens, jax.ShapeDtypeStruct(b.shape, b.dtype))
+               .add("dc", group_tokens, jax.ShapeDtypeStruct(b.shape, b.dtype))
+               .add("passing",
+                    pl.BlockSpec((None, hpg, None, p_pad), lambda ci, g, i: (i, g, ci, 0)),
+                    jax.ShapeDtypeStruct((batch, heads, nc, p_pad), jnp.float32))
+               .add("carried", pl.BlockSpec((None, hpg, q), lambda ci, g, i: (i, g, ci)),
+                    jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32)))
+    out = _operands.call(
+        functools.partial(_state_terms_kernel, block_t=q),
+        inputs, outputs,
         grid=(nc, groups, batch),
-        in_specs=in_specs,
-        out_specs=[
-            group_tokens,
-            group_tokens,
-            pl.BlockSpec((None, hpg, None, p_pad), lambda ci, g, i: (i, g, ci, 0)),
-            pl.BlockSpec((None, hpg, q), lambda ci, g, i: (i, g, ci)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct(b.shape, b.dtype),
-            jax.ShapeDtypeStruct(b.shape, b.dtype),
-            jax.ShapeDtypeStruct((batch, heads, nc, p_pad), jnp.float32),
-            jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32),
-        ],
-        compiler_params=_compat.triton_params(static.terms_num_warps, static.terms_num_stages),
+        num_warps=blocks.terms_num_warps, num_stages=blocks.terms_num_stages,
         interpret=static.interpret,
         name="ssd_state_terms",
-    )(*args)
-    return db, dc, passing.sum(axis=3), carried
+    )
+    return out["db"], out["dc"], out["passing"].sum(axis=3), out["carried"]

@@ -1,147 +1,28 @@
-"""Pieces shared by the SSD kernels: the static configuration and the per-chunk decay masks."""
+"""Pieces shared by the SSD kernels: what a call is (`Static`) and the per-chunk decay masks."""
 
 import dataclasses
 import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
-
-class Schedule(NamedTuple):
-    """How a scan kernel's walks are cut into programs (`segments` has the program order).
-
-    A walk (one batch row, head and head-dim block) is cut into `num_units` units of equal
-    length and walked in parts of `part_units` units, one program per part, except the first
-    part of walks 0 .. `split_walks` - 1, walked one unit per program. No cut: (1, 1, 0).
-    """
-
-    num_units: int
-    part_units: int
-    split_walks: int
-
-    @property
-    def num_parts(self):
-        return self.num_units // self.part_units
-
-
-def unit_counts(num_chunks, min_chunks):
-    """The numbers of equal units a walk of `num_chunks` chunks can be cut into: 1, and the
-    divisors that leave units of at least `min_chunks` chunks."""
-    return [u for u in range(1, num_chunks + 1)
-            if num_chunks % u == 0 and (u == 1 or num_chunks // u >= min_chunks)]
-
-
-def forward_schedule(walks, num_chunks, at_once, blocks):
-    """The forward scan's Schedule: the cheapest of all cuts by a count of chunk steps.
-
-    `at_once` programs run at once. A cut's cost is the chunk steps of its rounds of programs
-    (whole parts fill rounds first, the split units follow), the segment sums it needs (a sum's
-    chunk step costs `blocks.sum_step_cost` of a walk's) and `blocks.round_cost` steps for each
-    round of either kernel. Units are at least `blocks.min_segment_chunks` chunks long.
-    """
-    best = None
-    for num_units in unit_counts(num_chunks, blocks.min_segment_chunks):
-        unit_chunks = num_chunks // num_units
-        for part_units in (u for u in range(1, num_units + 1) if num_units % u == 0):
-            num_parts = num_units // part_units
-            full_rounds, rest = divmod(walks * num_parts, at_once)
-            split_walks = rest if part_units > 1 else 0
-            if part_units > 1 and not 0 < rest <= walks:
-                continue  # nothing to split (the same as part_units 1), or more than first parts
-            whole_rounds = full_rounds + (rest > 0 and split_walks == 0)
-            split_rounds = pl.cdiv(split_walks * part_units, at_once)
-            steps = (whole_rounds * part_units + split_rounds) * unit_chunks
-            summed = (walks * (num_units - part_units) if num_parts > 1
-                      else split_walks * (part_units - 1))
-            sum_rounds = pl.cdiv(summed, at_once)
-            cost = (steps + sum_rounds * unit_chunks * blocks.sum_step_cost
-                    + (whole_rounds + split_rounds + sum_rounds) * blocks.round_cost)
-            if best is None or cost < best[0]:
-                best = (cost, Schedule(num_units, part_units, split_walks))
-    return best[1]
+from pallas_kernels import _device
 
 
 @dataclasses.dataclass(frozen=True)
 class Static:
-    """What the kernels know at trace time (hashable: keys custom_vjp and jit)."""
+    """What a call is, beyond its arrays (hashable: keys custom_vjp and jit). The kernels'
+    sizes are in `tuning.SSDBlocks` (fitted to the call), the cut of their work in
+    `schedule.Plan`."""
 
-    block_t: int  # chunk length Q of the kernels (a power of two)
-    block_p: int  # head-dim rows per program of the scan kernels
-    heads_per_program: int  # heads per program of the chunk-gradient kernel (divides H / G)
-    num_chunks: int
-    walks: int  # walks of the scan kernels: batch rows x heads x head-dim blocks
-    # How the scan kernels' walks are cut into programs (`Schedule`, `segments`): the forward's
-    # cut; the backward's walks are cut into `backward_num_units` parts of one unit.
-    schedule: Schedule
-    backward_num_units: int
     has_seq_idx: bool
     has_d: bool
     has_z: bool
     has_initial_states: bool
-    seq_len: int  # real tokens T (the kernels see Tp = num_chunks * block_t)
-    dt_softplus: bool  # dt preprocessing (`reference.preprocess_dt`)
+    seq_len: int  # real tokens T (the kernels see Tp, whole chunks)
+    dt_softplus: bool  # dt preprocessing (`semantics.step_sizes`)
     dt_limit: tuple[float, float]
-    num_warps: int  # scan kernels
-    num_stages: int  # scan kernels but the forward
-    forward_num_stages: int
-    grad_num_warps: int  # chunk-gradient kernel
-    grad_num_stages: int
-    terms_num_warps: int  # dB/dC state-term kernel
-    terms_num_stages: int
     interpret: bool
-
-    @classmethod
-    def from_blocks(cls, blocks, *, block_t, p_pad, batch, heads, heads_per_group, num_chunks,
-                    multiprocessors, interpret, **flags):
-        """The Static of a tuning.SSDBlocks row; `flags` are the has_*, seq_len and dt_* fields.
-
-        A walk is one (batch row, head, head-dim block): a serial pass over all chunks. The
-        forward scan cuts its walks by `forward_schedule`, with `blocks.programs_per_sm`
-        programs at once on each of `multiprocessors`. Below `blocks.backward_segment_walks_below`
-        walks, the backward's walks are cut into equal parts of at least
-        `blocks.min_segment_chunks` chunks, as many as keep the programs within
-        `blocks.scan_programs`.
-        """
-        block_p = min(blocks.block_p, p_pad)
-        walks = batch * heads * (p_pad // block_p)
-        backward_num_units = 1
-        if walks < blocks.backward_segment_walks_below:
-            backward_num_units = max((
-                s for s in unit_counts(num_chunks, blocks.min_segment_chunks)
-                if s * walks <= blocks.scan_programs
-            ), default=1)
-        return cls(
-            block_t=block_t,
-            block_p=block_p,
-            heads_per_program=max(
-                k for k in range(1, blocks.heads_per_program + 1) if heads_per_group % k == 0
-            ),
-            num_chunks=num_chunks,
-            walks=walks,
-            schedule=forward_schedule(
-                walks, num_chunks, blocks.programs_per_sm * multiprocessors, blocks
-            ),
-            backward_num_units=backward_num_units,
-            num_warps=blocks.num_warps,
-            num_stages=blocks.num_stages,
-            forward_num_stages=blocks.forward_num_stages or blocks.num_stages,
-            grad_num_warps=blocks.grad_num_warps,
-            grad_num_stages=blocks.grad_num_stages,
-            terms_num_warps=blocks.terms_num_warps or blocks.num_warps,
-            terms_num_stages=blocks.terms_num_stages or blocks.num_stages,
-            interpret=interpret,
-            **flags,
-        )
-
-    def for_backward(self):
-        """This Static with the backward walks' schedule (see `from_blocks`)."""
-        return dataclasses.replace(self, schedule=Schedule(self.backward_num_units, 1, 0))
-
-    @property
-    def unit_chunks(self):
-        """Chunks per unit of the scan kernels' schedule."""
-        return self.num_chunks // self.schedule.num_units
 
 
 def chunk_log2_decays(dt, A, block_t):
@@ -153,11 +34,6 @@ def chunk_log2_decays(dt, A, block_t):
     a = dt * (A.astype(jnp.float32) * math.log2(math.e))[None, :, None]
     chunks = a.reshape(*a.shape[:-1], a.shape[-1] // block_t, block_t)
     return jnp.cumsum(chunks, axis=-1).reshape(a.shape)
-
-
-def chunk_tokens(c, static):
-    """The token slice of chunk c."""
-    return pl.ds(pl.multiple_of(c * static.block_t, static.block_t), static.block_t)
 
 
 class ChunkMasks(NamedTuple):
@@ -226,13 +102,14 @@ def _select_rows(mask, values):
     return values if mask is None else jnp.where(_rows(mask, values), values, 0.0)
 
 
-def chunk_masks(c, s_ref, seq_ref, static, head=None):
-    """ChunkMasks of chunk c from `s_ref` (`chunk_log2_decays`) and `seq_ref` (Tp,) or None.
+def chunk_masks(c, s_ref, seq_ref, block_t, head=None):
+    """ChunkMasks of chunk c (of `block_t` tokens) from `s_ref` (`chunk_log2_decays`) and
+    `seq_ref` (Tp,) or None.
 
     `s_ref` is (Tp,), or (heads, Tp) read at row `head`.
     """
-    q = static.block_t
-    tok = chunk_tokens(c, static)
+    q = block_t
+    tok = _device.block_slice(c, q)
     last = c * q + (q - 1)
     s, s_last = (s_ref[tok], s_ref[last]) if head is None else (s_ref[head, tok], s_ref[head, last])
     row = jnp.arange(q, dtype=jnp.int32)[:, None]

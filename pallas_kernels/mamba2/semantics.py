@@ -58,3 +58,9 @@ def sequence_runs(seq_idx):
     """(b, T) int32 run numbers of `seq_idx` (b, T) integers: +1 wherever the id changes."""
     changes = (seq_idx[:, 1:] != seq_idx[:, :-1]).astype(jnp.int32)
     return jnp.pad(jnp.cumsum(changes, axis=1), ((0, 0), (1, 0)))
+
+
+def skip_weights(D, heads, head_dim):
+    """D (H,) or (H, P), the skip connection's weights y += D x, as (H, P) float32."""
+    D = D.astype(jnp.float32)
+    return jnp.broadcast_to(D[:, None] if D.ndim == 1 else D, (heads, head_dim))

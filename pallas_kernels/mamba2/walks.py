@@ -1,8 +1,8 @@
-"""Programs of the scan kernels, and the segment sums that let them walk a sequence in parallel.
+"""Programs of the scan kernels, and the unit sums that let them walk a sequence in parallel.
 
 A walk is one (batch row, head, head-dim block) of a scan kernel: a serial pass over the chunks,
-carrying the (P block, N) state (or its gradient) from chunk to chunk. `static.schedule`
-(`common.Schedule`) cuts each of the W walks into U units of equal length, walked in K parts
+carrying the (P block, N) state (or its gradient) from chunk to chunk. `plan.schedule`
+(`schedule.Schedule`) cuts each of the W walks into U units of equal length, walked in K parts
 of U / K units, one program per part, except the first part of walks 0 .. M - 1, which is
 walked one unit per program. The scan kernels have a one-axis grid; programs are numbered
 
@@ -31,8 +31,8 @@ units, walking gradients back), built from the sums of this module's kernel:
 
 Either sum is one matmul accumulation per program (the only dependence between chunks is the
 running scalar product of decays); its floor is one read of x (or dY) for the summed units, and
-on an H200 it takes about 1.7x that (benchmarks/NOTES.md), which is why walks are cut only where
-the GPU would otherwise idle (`common.forward_schedule` weighs the two).
+on an H200 it takes well above that (benchmarks/NOTES.md), which is why walks are cut only where
+the GPU would otherwise idle (`schedule.forward_schedule` weighs the two).
 """
 
 import functools
@@ -44,14 +44,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
+from pallas_kernels import _device, _operands
+from pallas_kernels._operands import Operands
 from pallas_kernels.mamba2 import common
 
 
-def num_programs(static):
+def num_programs(plan):
     """Programs of a scan kernel (see the module docstring)."""
-    _, part_units, split_walks = static.schedule
-    return static.walks * static.schedule.num_parts + split_walks * (part_units - 1)
+    _, part_units, split_walks = plan.schedule
+    return plan.walks * plan.schedule.num_parts + split_walks * (part_units - 1)
 
 
 class WalkPart(NamedTuple):
@@ -66,12 +67,12 @@ class WalkPart(NamedTuple):
     num_chunks: jax.Array | int
 
 
-def walk_part(program, static):
+def walk_part(program, plan):
     """The WalkPart of scan-kernel program `program` (see the module docstring)."""
-    _, part_units, split_walks = static.schedule
-    walks = static.walks
-    later = (static.schedule.num_parts - 1) * walks  # programs walking parts 1 ..
-    whole = static.schedule.num_parts * walks - split_walks  # programs walking whole parts
+    _, part_units, split_walks = plan.schedule
+    walks = plan.walks
+    later = (plan.schedule.num_parts - 1) * walks  # programs walking parts 1 ..
+    whole = plan.schedule.num_parts * walks - split_walks  # programs walking whole parts
     # Flags as int32: Pallas-Triton does not mix booleans into integer arithmetic.
     is_later = (program < later).astype(jnp.int32)
     is_split = (program >= whole).astype(jnp.int32)
@@ -86,19 +87,19 @@ def walk_part(program, static):
         walk=walk,
         first_unit=first_unit,
         end_unit=first_unit + units,
-        first_chunk=first_unit * static.unit_chunks,
-        num_chunks=units * static.unit_chunks,
+        first_chunk=first_unit * plan.unit_chunks,
+        num_chunks=units * plan.unit_chunks,
     )
 
 
-def summed(static, kind):
-    """(walks, units per walk) of the segment sums a scan kernel needs: see the module
+def summed(plan, kind):
+    """(walks, units per walk) of the unit sums a scan kernel needs: see the module
     docstring; (0, 0) where it needs none."""
-    num_units, part_units, split_walks = static.schedule
+    num_units, part_units, split_walks = plan.schedule
     if kind == "gradients":
-        return static.walks, num_units - 1
-    if static.schedule.num_parts > 1:
-        return static.walks, num_units - part_units
+        return plan.walks, num_units - 1
+    if plan.schedule.num_parts > 1:
+        return plan.walks, num_units - part_units
     return split_walks, part_units - 1 if split_walks else 0
 
 
@@ -145,21 +146,19 @@ class WalkIndex:
 
 class ScanCall(NamedTuple):
     """One scan kernel's programs, to launch alone or beside another kernel's (`launch`):
-    `kernel(program, *input_refs, *output_refs)` runs program 0 .. `num_programs` - 1; the
-    BlockSpecs' index maps take the same program numbers."""
+    `kernel(program, refs)` runs program 0 .. `num_programs` - 1 with its operands' refs by
+    name (`_operands.Refs`); the BlockSpecs' index maps take the same program numbers."""
 
     kernel: Callable
     num_programs: int
-    in_specs: list
-    inputs: list
-    out_specs: list
-    out_shape: list
+    inputs: Operands
+    outputs: Operands
     name: str
 
 
 def launch(calls, *, num_warps, num_stages, interpret):
     """Runs the ScanCalls' programs in one pallas_call on a one-axis grid, `calls[0]`'s first,
-    then `calls[1]`'s, and so on; returns each call's list of outputs.
+    then `calls[1]`'s, and so on; returns each call's outputs as a dict by name.
 
     Independent walks launched together share the GPU: the programs of one fill the
     multiprocessors the other's leave idle (its last round, or too few walks to fill one).
@@ -172,60 +171,54 @@ def launch(calls, *, num_warps, num_stages, interpret):
         return pl.BlockSpec(spec.block_shape,
                             lambda k: spec.index_map(jnp.clip(k - start, 0, count - 1)))
 
-    in_specs, inputs, out_specs, out_shape = [], [], [], []
-    for call, start in zip(calls, starts[:-1], strict=True):
-        in_specs += [shifted(spec, start, call.num_programs) for spec in call.in_specs]
-        out_specs += [shifted(spec, start, call.num_programs) for spec in call.out_specs]
-        inputs += call.inputs
-        out_shape += call.out_shape
+    inputs, outputs = Operands(), Operands()  # call i's operand "x" as "i:x"
+    for i, (call, start) in enumerate(zip(calls, starts[:-1], strict=True)):
+        for operands, merged in ((call.inputs, inputs), (call.outputs, outputs)):
+            for name, spec, value in zip(operands.names, operands.specs, operands.values,
+                                         strict=True):
+                merged.add(f"{i}:{name}", shifted(spec, start, call.num_programs), value)
 
-    def kernel(*refs):
+    def kernel(refs):
         program = pl.program_id(0)
-        ins, outs = list(refs[:len(inputs)]), list(refs[len(inputs):])
-        for call, start, end in zip(calls, starts[:-1], starts[1:], strict=True):
-            call_refs = ([ins.pop(0) for _ in call.in_specs]
-                         + [outs.pop(0) for _ in call.out_specs])
-            run = functools.partial(call.kernel, program - start, *call_refs)
+        for i, (call, start, end) in enumerate(zip(calls, starts[:-1], starts[1:], strict=True)):
+            names = call.inputs.names + call.outputs.names
+            own = _operands.Refs(**{name: getattr(refs, f"{i}:{name}") for name in names})
+            run = functools.partial(call.kernel, program - start, own)
             if len(calls) == 1:
                 run()
             else:
                 pl.when((program >= start) & (program < end))(run)
 
-    flat = pl.pallas_call(
-        kernel,
+    flat = _operands.call(
+        kernel, inputs, outputs,
         grid=(starts[-1],),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_compat.triton_params(num_warps, num_stages),
+        num_warps=num_warps, num_stages=num_stages,
         interpret=interpret,
         name="_".join(c.name for c in calls),
-    )(*inputs)
-    ends = list(itertools.accumulate(len(c.out_shape) for c in calls))
-    return [list(flat[end - len(c.out_shape):end]) for c, end in zip(calls, ends, strict=True)]
+    )
+    return [{name: flat[f"{i}:{name}"] for name in call.outputs.names}
+            for i, call in enumerate(calls)]
 
 
-def program_index(static, heads, num_p_blocks, heads_per_group):
+def program_index(plan, heads, num_p_blocks, heads_per_group):
     """The WalkIndex of a scan kernel's programs (see `walk_part`)."""
-    return WalkIndex(lambda k: walk_part(k, static).walk, heads, num_p_blocks, heads_per_group)
+    return WalkIndex(lambda k: walk_part(k, plan).walk, heads, num_p_blocks, heads_per_group)
 
 
-def _segment_sums_kernel(tokens_ref, dt_ref, s_ref, operand_ref, *refs, static, kind):
-    seq_ref = refs[0] if static.has_seq_idx else None
-    sums_ref, decays_ref = refs[-2:]
-    length = static.unit_chunks
-    unit = pl.program_id(0) % summed(static, kind)[1] + (kind == "gradients")
+def _unit_sums_kernel(refs, *, static, block_t, plan, kind):
+    length = plan.unit_chunks
+    unit = pl.program_id(0) % summed(plan, kind)[1] + (kind == "gradients")
 
     def chunk(i, carry):
         acc, decay = carry
         # States walk their unit backwards (decay to its end), gradients forwards; `decay` is
         # the product of the decays of the unit's chunks walked so far (0 past a sequence start).
         c = unit * length + (length - 1 - i if kind == "states" else i)
-        tok = common.chunk_tokens(c, static)
-        masks = common.chunk_masks(c, s_ref, seq_ref, static)
-        tokens, operand = tokens_ref[tok, :], operand_ref[tok, :]
+        tok = _device.block_slice(c, block_t)
+        masks = common.chunk_masks(c, refs.s, refs.seq, block_t)
+        tokens, operand = refs.tokens[tok, :], refs.operand[tok, :]
         if kind == "states":
-            scaled = masks.to_state(tokens.astype(jnp.float32), dt_ref[tok] * decay)
+            scaled = masks.to_state(tokens.astype(jnp.float32), refs.dt[tok] * decay)
             operand = masks.of_last(operand)
         else:
             scaled = masks.carried_in(tokens.astype(jnp.float32), decay)
@@ -236,10 +229,10 @@ def _segment_sums_kernel(tokens_ref, dt_ref, s_ref, operand_ref, *refs, static, 
         return acc, masks.pass_on(decay)
 
     acc, decay = jax.lax.fori_loop(
-        0, length, chunk, (jnp.zeros(sums_ref.shape, jnp.float32), jnp.float32(1.0))
+        0, length, chunk, (jnp.zeros(refs.sums.shape, jnp.float32), jnp.float32(1.0))
     )
-    sums_ref[...] = acc
-    decays_ref[...] = jnp.full(decays_ref.shape, decay)
+    refs.sums[...] = acc
+    refs.decays[...] = jnp.full(refs.decays.shape, decay)
 
 
 def pass_on(decay, state, static):
@@ -250,8 +243,8 @@ def pass_on(decay, state, static):
     return jnp.where(decay == 0.0, 0.0, passed) if static.has_seq_idx else passed
 
 
-def segment_sums(tokens, dt, s, operand, seq, *, static, kind):
-    """(sums, decays) of the units `summed(static, kind)` names (see the module docstring).
+def unit_sums(tokens, dt, s, operand, seq, *, static, blocks, plan, kind):
+    """(sums, decays) of the units `summed(plan, kind)` names (see the module docstring).
 
     tokens (B, Tp, H, Pp) are x for kind "states" and dY for "gradients"; operand (B, Tp, G, Np)
     is B or C; dt, s (B, H, Tp) float32; seq (B, Tp) or None. For W walks of R summed units
@@ -261,50 +254,47 @@ def segment_sums(tokens, dt, s, operand, seq, *, static, kind):
     """
     batch, t_pad, heads, p_pad = tokens.shape
     n_pad = operand.shape[-1]
-    bp, num_p_blocks = static.block_p, p_pad // static.block_p
+    bp, num_p_blocks = blocks.block_p, p_pad // blocks.block_p
     hpg = heads // operand.shape[2]
-    walks, per_walk = summed(static, kind)
+    walks, per_walk = summed(plan, kind)
 
     # Program k sums unit k % per_walk (+ 1 for gradients) of walk k // per_walk.
     index = WalkIndex(lambda k: k // per_walk, heads, num_p_blocks, hpg)
-    in_specs = [
-        pl.BlockSpec((None, t_pad, None, bp), index.tokens),
-        pl.BlockSpec((None, None, t_pad), index.per_head),
-        pl.BlockSpec((None, None, t_pad), index.per_head),
-        pl.BlockSpec((None, t_pad, None, n_pad), index.group),
-    ]
-    args = [tokens, dt, s, operand]
-    if static.has_seq_idx:
-        in_specs.append(pl.BlockSpec((None, t_pad), index.row))
-        args.append(seq)
-    return pl.pallas_call(
-        functools.partial(_segment_sums_kernel, static=static, kind=kind),
+    per_head = pl.BlockSpec((None, None, t_pad), index.per_head)
+    inputs = (Operands()
+              .add("tokens", pl.BlockSpec((None, t_pad, None, bp), index.tokens), tokens)
+              .add("dt", per_head, dt)
+              .add("s", per_head, s)
+              .add("operand", pl.BlockSpec((None, t_pad, None, n_pad), index.group), operand)
+              .add("seq", pl.BlockSpec((None, t_pad), index.row), seq))
+    outputs = (Operands()
+               .add("sums", pl.BlockSpec((None, None, bp, n_pad),
+                                         lambda k: (k // per_walk, k % per_walk, 0, 0)),
+                    jax.ShapeDtypeStruct((walks, per_walk, bp, n_pad), jnp.float32))
+               .add("decays", pl.BlockSpec((None, None, bp),
+                                           lambda k: (k // per_walk, k % per_walk, 0)),
+                    jax.ShapeDtypeStruct((walks, per_walk, bp), jnp.float32)))
+    out = _operands.call(
+        functools.partial(_unit_sums_kernel, static=static, block_t=blocks.block_t, plan=plan,
+                          kind=kind),
+        inputs, outputs,
         grid=(walks * per_walk,),
-        in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, None, bp, n_pad), lambda k: (k // per_walk, k % per_walk, 0, 0)),
-            pl.BlockSpec((None, None, bp), lambda k: (k // per_walk, k % per_walk, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((walks, per_walk, bp, n_pad), jnp.float32),
-            jax.ShapeDtypeStruct((walks, per_walk, bp), jnp.float32),
-        ],
-        compiler_params=_compat.triton_params(static.num_warps, static.num_stages),
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
         interpret=static.interpret,
-        name=f"ssd_segment_{kind}",
-    )(*args)
+        name=f"ssd_unit_{kind}",
+    )
+    return out["sums"], out["decays"]
 
 
-def specs(static, n_pad, kind):
-    """BlockSpecs of (sums, decays) as inputs of a scan kernel (one-axis grid of programs): each
-    program sees its walk's (a walk without sums: walk 0's, unused)."""
-    walks, per_walk = summed(static, kind)
-    bp = static.block_p
+def add_unit_sums(inputs, sums, decays, plan, n_pad, block_p, kind):
+    """Adds (sums, decays) of `unit_sums` to a scan kernel's inputs, as "unit_sums" and
+    "unit_decays": each program sees its walk's (a walk without sums: walk 0's, unused)."""
+    walks, per_walk = summed(plan, kind)
 
     def summed_walk(k):
-        return jnp.minimum(walk_part(k, static).walk, walks - 1)
+        return jnp.minimum(walk_part(k, plan).walk, walks - 1)
 
-    return [
-        pl.BlockSpec((None, per_walk, bp, n_pad), lambda k: (summed_walk(k), 0, 0, 0)),
-        pl.BlockSpec((None, per_walk, bp), lambda k: (summed_walk(k), 0, 0)),
-    ]
+    inputs.add("unit_sums", pl.BlockSpec((None, per_walk, block_p, n_pad),
+                                         lambda k: (summed_walk(k), 0, 0, 0)), sums)
+    inputs.add("unit_decays", pl.BlockSpec((None, per_walk, block_p),
+                                           lambda k: (summed_walk(k), 0, 0)), decays)

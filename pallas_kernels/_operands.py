@@ -1,0 +1,64 @@
+"""Named operands of a Pallas kernel: one builder for its specs, its arguments and its refs.
+
+A kernel whose inputs depend on flags (segment ids, seq_idx, D, z, ...) would otherwise take
+`*refs` and pop them in an order that must match the caller's list of specs. Here the caller
+adds each operand by name (an absent one, None, is skipped) and the kernel reads `refs.<name>`,
+None for an operand that was not added:
+
+    ins = Operands().add("x", spec, x).add("seq", seq_spec, seq)   # seq may be None
+    outs = Operands().add("y", spec, jax.ShapeDtypeStruct(...))
+    y = call(kernel, ins, outs, grid=..., ...)["y"]          # kernel(refs): refs.x, refs.seq
+"""
+
+import types
+
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+
+
+class Operands:
+    """An ordered list of (name, BlockSpec, value): arrays for inputs, ShapeDtypeStructs for
+    outputs."""
+
+    def __init__(self):
+        self.names, self.specs, self.values = [], [], []
+
+    def add(self, name, spec, value):
+        """Appends an operand unless `value` is None; returns self."""
+        if value is not None:
+            self.names.append(name)
+            self.specs.append(spec)
+            self.values.append(value)
+        return self
+
+    def __len__(self):
+        return len(self.names)
+
+
+class Refs(types.SimpleNamespace):
+    """A kernel's refs by operand name; a name that was not added reads as None."""
+
+    def __getattr__(self, name):
+        return None
+
+
+def bind(inputs, outputs, refs):
+    """The Refs of a kernel's positional refs (inputs then outputs, as Pallas passes them)."""
+    names = inputs.names + outputs.names
+    return Refs(**dict(zip(names, refs, strict=True)))
+
+
+def call(kernel, inputs, outputs, *, grid, num_warps, num_stages, interpret, name):
+    """`pl.pallas_call` of `kernel(refs)` (`Refs`) over the named inputs and outputs, lowered
+    through Triton with `num_warps` and `num_stages`; returns the outputs as a dict by name."""
+
+    def positional(*refs):
+        kernel(bind(inputs, outputs, refs))
+
+    results = pl.pallas_call(
+        positional, grid=grid, in_specs=inputs.specs, out_specs=outputs.specs,
+        out_shape=outputs.values, compiler_params=_compat.triton_params(num_warps, num_stages),
+        interpret=interpret, name=name,
+    )(*inputs.values)
+    return dict(zip(outputs.names, results, strict=True))

@@ -1,0 +1,23 @@
+"""The ops' rules for their settings, public for layers built on the ops (`flax_layers`, or a
+user's own), so that a layer checks its settings when it is built, as the op would, and masks
+a decode step as the kernels do.
+
+* `IMPLEMENTATIONS`: the values of `implementation=` besides None.
+* `check_window(local_window_size)`, `check_soft_cap(logits_soft_cap)`: attention's settings,
+  normalised (a (left, right) pair or None; a float or None); a TypeError or ValueError naming
+  the argument.
+* `check_dt_limit(dt_limit)`: the SSD's (low, high) step-size limits, the same way.
+* `band(is_causal, local_window_size)` and `visible(rows, cols, *, band, row_len, col_len)`:
+  which keys a query sees, on absolute positions (`attention.masking`).
+* `known_value(x)`: x as a numpy array when its value is known at trace time, else None (checks
+  that need values run where it is not None).
+"""
+
+from pallas_kernels._compat import concrete_value as known_value
+from pallas_kernels._dispatch import IMPLEMENTATIONS
+from pallas_kernels.attention.checks import check_soft_cap, check_window
+from pallas_kernels.attention.masking import band, visible
+from pallas_kernels.mamba2.checks import check_dt_limit
+
+__all__ = ["IMPLEMENTATIONS", "band", "check_dt_limit", "check_soft_cap", "check_window",
+           "known_value", "visible"]
