@@ -14,9 +14,9 @@ run needs is here and small enough to read in one sitting:
   optimizer state, step and data RNG state) and exact `--resume`;
 - at the end, text sampled through the model's decode caches (`HybridLM.generate`).
 
-Run from the repository root:
+With the package installed (`pip install -e .`, see the README), run from the repository root:
 
-    python examples/train_hybrid_lm.py                 # tiny model, ~5 minutes on 2 CPU cores
+    python examples/train_hybrid_lm.py                 # tiny model, minutes on a CPU
     python examples/train_hybrid_lm.py --preset small  # on a GPU: Pallas kernels, bf16, MFU
     python examples/train_hybrid_lm.py --resume        # continue an interrupted run
     python examples/train_hybrid_lm.py --overwrite     # start over, deleting the old checkpoints
@@ -52,42 +52,22 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `python examples/train_hybrid_lm.py` from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-from flax import nnx  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from flax_layers import HybridLM, HybridLMConfig  # noqa: E402
-from pallas_kernels import _compat  # noqa: E402
+from flax_layers import HybridLM, HybridLMConfig
+from pallas_kernels import _compat, _device
 
 _compat.silence_triton_deprecation()
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
 DEFAULT_PROMPTS = ("ROMEO:\n", "First Citizen:\nWe are", "To be, or not to be")
 VOCAB_SIZE = 256  # one token per byte
-
-# Vendor peak dense bf16 tensor FLOP/s (no sparsity), matched as substrings of
-# `jax.devices()[0].device_kind`, most specific first. Unknown devices report MFU "n/a".
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("H200", 989e12),  # also GH200
-    ("H800", 989e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("MI300X", 1307e12),
-    ("MI325X", 1307e12),
-    ("MI250X", 383e12),
-)
 
 # Flags whose defaults depend on --preset: the tiny model trains on a CPU in minutes, the small
 # one is sized for a GPU.
@@ -379,7 +359,7 @@ def make_config(preset: str, implementation: str = "auto", dtype: str = "auto",
     what it cannot build or run (see `check_model`)."""
     config = HybridLMConfig.preset(preset, **(overrides or {}))
     if dtype == "auto":
-        dtype = "bfloat16" if _compat.targets_gpu() else "float32"
+        dtype = "bfloat16" if _device.on_gpu() else "float32"
     return dataclasses.replace(
         config, vocab_size=VOCAB_SIZE,
         implementation=None if implementation == "auto" else implementation,
@@ -459,28 +439,20 @@ def model_flops_per_token(config: HybridLMConfig, params: nnx.State, seq_len: in
     """Approximate training FLOPs (forward + backward) per token.
 
     6 x the parameters each token multiplies with (the shared block counts once per use, the tied
-    embedding once as the LM head), plus causal attention (6 x T x heads x head_dim per use,
-    the PaLM formula halved for causality), plus the chunked SSD scan of each Mamba2 block
-    (forward ~ G*Q*N + H*(Q*P + 4*N*P) per token for chunk Q, state N, head dim P; x3 with
-    the backward).
+    embedding once as the LM head), plus causal attention (6 x T x heads x attn_head_dim per
+    use, the PaLM formula halved for causality), plus the chunked SSD scan of each Mamba2 block
+    (forward ~ G*Q*N + H*(Q*P + 4*N*P) per token for chunk Q, state N, head dim P =
+    ssm_head_dim; x3 with the backward).
     """
     uses = config.num_layers // config.shared_every
     shared = count_params(params["shared"])
     matmul_params = count_params(params) + (uses - 1) * shared
-    attention = 6 * uses * seq_len * config.num_heads * config.head_dim
+    attention = 6 * uses * seq_len * config.num_heads * config.attn_head_dim
     d_inner = config.expand * config.d_model
-    heads = d_inner // config.headdim
-    q, n, p = min(config.chunk_size, seq_len), config.d_state, config.headdim
+    heads = d_inner // config.ssm_head_dim
+    q, n, p = min(config.chunk_size, seq_len), config.d_state, config.ssm_head_dim
     ssd = 3 * config.num_layers * (config.ngroups * q * n + heads * (q * p + 4 * n * p))
     return float(6 * matmul_params + attention + ssd)
-
-
-def peak_flops(device_kind: str) -> float | None:
-    """Peak dense bf16 FLOP/s of a known accelerator, else None."""
-    for name, flops in PEAK_BF16_FLOPS:
-        if name.lower() in device_kind.lower():
-            return flops
-    return None
 
 
 # --------------------------------------------------------------------------- workdir
@@ -704,19 +676,96 @@ def _check_resume(run_config: dict[str, Any], meta: dict[str, Any]) -> None:
                          "or use a new --workdir")
 
 
-def resume_run(ckpt_dir: Path, args: argparse.Namespace, run_config: dict[str, Any],
-               params: nnx.State, opt_state: Any) -> tuple[int, nnx.State, Any, dict[str, Any]]:
-    """(step, params, opt_state, meta) of the newest checkpoint in `ckpt_dir` that loads, checked
-    to continue this run (same settings, see `_check_resume`; fewer steps than --steps).
+@dataclasses.dataclass
+class Run:
+    """A training run, as `setup` builds it from the flags. `resume_run` moves it to a
+    checkpoint; `train_loop` trains it on (its `params`, `opt_state`, `records` and sampler
+    state advance with the steps)."""
+
+    args: argparse.Namespace
+    workdir: Path
+    tokens: np.ndarray  # the whole corpus, one token per byte
+    train_tokens: np.ndarray
+    eval_tokens: np.ndarray
+    config: HybridLMConfig
+    run_config: dict[str, Any]  # `run_settings`, stored in each checkpoint
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    opt_state: Any
+    schedule: optax.Schedule  # learning rate by step
+    train_step: Callable[..., Any]  # jitted, see `make_steps`
+    eval_step: Callable[..., Any]
+    sampler: BatchSampler  # training batches
+    eval_set: list[jax.Array]  # the fixed evaluation batches
+    n_params: int
+    flops_per_token: float  # `model_flops_per_token`
+    device_kind: str
+    peak: float | None  # the device's peak FLOP/s (`_device.peak_flops`); None if unknown
+    start_step: int = 0  # where this invocation starts: 0, or the checkpoint's step on --resume
+    records: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # metrics.jsonl's
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.workdir / "checkpoints"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.workdir / "metrics.jsonl"
+
+
+def _optimizer(args: argparse.Namespace, graphdef: nnx.GraphDef, schedule_steps: int):
+    """(tx, schedule, train_step, eval_step) for the flags and a schedule of `schedule_steps`
+    (see `make_optimizer`, `make_steps`)."""
+    tx, schedule = make_optimizer(args.lr, args.warmup_steps, schedule_steps, args.weight_decay,
+                                  args.clip_norm)
+    return (tx, schedule, *make_steps(graphdef, tx))
+
+
+def setup(args: argparse.Namespace) -> Run:
+    """Checks every input, then builds a fresh run: the corpus (`load_corpus`, `split_corpus`),
+    the model configuration (`model_config`) and the workdir (`check_workdir`, `check_start`);
+    then the initialised model, optimizer, steps and data. Changes nothing on disk. Raises
+    UsageError for unusable inputs."""
+    tokens = load_corpus(args.corpus)
+    train_tokens, eval_tokens = split_corpus(tokens, args.eval_fraction, args.seq_len)
+    config = model_config(args)
+    workdir = Path(args.workdir)
+    check_workdir(workdir)
+    check_start(workdir / "checkpoints", args.resume, args.overwrite)
+    run_config = run_settings(args, config, tokens)
+
+    graphdef, params = nnx.split(HybridLM(config, rngs=nnx.Rngs(args.seed)))
+    tx, schedule, train_step, eval_step = _optimizer(args, graphdef, run_config["schedule_steps"])
+    device_kind = jax.devices()[0].device_kind
+    return Run(
+        args=args, workdir=workdir, tokens=tokens, train_tokens=train_tokens,
+        eval_tokens=eval_tokens, config=config, run_config=run_config, graphdef=graphdef,
+        params=params, opt_state=tx.init(params), schedule=schedule, train_step=train_step,
+        eval_step=eval_step,
+        sampler=make_batches(train_tokens, args.batch_size, args.seq_len, args.seed),
+        eval_set=[jnp.asarray(b) for b in eval_batches(eval_tokens, args.batch_size,
+                                                       args.seq_len, args.eval_batches)],
+        n_params=count_params(params),
+        flops_per_token=model_flops_per_token(config, params, args.seq_len),
+        device_kind=device_kind, peak=_device.peak_flops(device_kind),
+    )
+
+
+def resume_run(run: Run) -> None:
+    """Moves `run` to the newest checkpoint in its workdir that loads, checked to continue this
+    run (same settings, see `_check_resume`; fewer steps than --steps): its step, parameters,
+    optimizer state and data RNG state, the metrics up to its step and, unless --schedule-steps
+    is given, its schedule length.
 
     Only then are the newer checkpoints that do not load reported (one line each) and set aside,
     so that the resumed run can save its own checkpoints of those steps. Raises UsageError when
-    no checkpoint loads or the one that does cannot be continued.
+    no checkpoint loads or the one that does cannot be continued (`run` is then unchanged).
     """
+    args, ckpt_dir = run.args, run.ckpt_dir
     manager = checkpoint_manager(ckpt_dir, args.keep_checkpoints)
     try:
-        restored, failed = restore_newest(manager, params, opt_state,
-                                          lambda meta: _check_resume(run_config, meta))
+        restored, failed = restore_newest(manager, run.params, run.opt_state,
+                                          lambda meta: _check_resume(run.run_config, meta))
     finally:
         manager.close()
     if restored is None:
@@ -732,88 +781,68 @@ def resume_run(ckpt_dir: Path, args: argparse.Namespace, run_config: dict[str, A
         print(f"warning: skipped the checkpoint of step {bad_step}, which does not load ({why}); "
               f"moved it to {aside}", file=sys.stderr, flush=True)
     print(f"resuming from step {step}", flush=True)
-    return step, params, opt_state, meta
+
+    run.start_step, run.params, run.opt_state = step, params, opt_state
+    run.sampler.set_state(meta["data_rng"])
+    run.records = [r for r in read_metrics(run.metrics_path) if r["step"] <= step]
+    if args.schedule_steps is None:
+        # Continue the checkpoint's schedule. Its length does not change the structure of the
+        # optimizer state, so the state restored above fits the rebuilt optimizer.
+        run.run_config["schedule_steps"] = meta["run_config"]["schedule_steps"]
+        _, run.schedule, run.train_step, run.eval_step = _optimizer(
+            args, run.graphdef, run.run_config["schedule_steps"])
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Trains (or resumes) as the flags say; writes the workdir's outputs; returns a summary.
-
-    Every input is checked before the workdir is changed: the corpus, the model configuration
-    (`model_config`), the workdir (`check_workdir`, `check_start`) and, on --resume, the
-    checkpoint (`resume_run`).
-
-    Summary keys: steps, start_step, n_params, initial_eval_loss (None when resumed),
-    final_eval_loss, final_loss, tokens_per_s, mfu (None when unknown), flops_per_token,
-    device_kind, wall_s, workdir, records (all of metrics.jsonl), samples, model (the trained
-    HybridLM).
-    Raises UsageError for unusable inputs.
-    """
-    t_start = time.perf_counter()
-    tokens = load_corpus(args.corpus)
-    train_tokens, eval_tokens = split_corpus(tokens, args.eval_fraction, args.seq_len)
-    config = model_config(args)
-    workdir = Path(args.workdir)
-    ckpt_dir = workdir / "checkpoints"
-    check_workdir(workdir)
-    check_start(ckpt_dir, args.resume, args.overwrite)
-    metrics_path = workdir / "metrics.jsonl"
-    run_config = run_settings(args, config, tokens)
-
-    model = HybridLM(config, rngs=nnx.Rngs(args.seed))
-    graphdef, params = nnx.split(model)
-    del model
-    sampler = make_batches(train_tokens, args.batch_size, args.seq_len, args.seed)
-    eval_set = [jnp.asarray(b) for b in eval_batches(eval_tokens, args.batch_size, args.seq_len,
-                                                     args.eval_batches)]
-    tx, schedule = make_optimizer(args.lr, args.warmup_steps, run_config["schedule_steps"],
-                                  args.weight_decay, args.clip_norm)
-    opt_state = tx.init(params)
-    start_step, records = 0, []
-    if args.resume:
-        start_step, params, opt_state, meta = resume_run(ckpt_dir, args, run_config, params,
-                                                         opt_state)
-        sampler.set_state(meta["data_rng"])
-        records = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
-        if args.schedule_steps is None:
-            # Continue the checkpoint's schedule. Its length does not change the structure of
-            # the optimizer state, so the state restored above fits the rebuilt optimizer.
-            run_config["schedule_steps"] = meta["run_config"]["schedule_steps"]
-            tx, schedule = make_optimizer(args.lr, args.warmup_steps,
-                                          run_config["schedule_steps"], args.weight_decay,
-                                          args.clip_norm)
-    elif args.overwrite and ckpt_dir.exists():
-        shutil.rmtree(ckpt_dir)
+def open_workdir(run: Run) -> None:
+    """The run's first change to its workdir, once every input is checked: --overwrite deletes
+    the previous run's checkpoints; metrics.jsonl is rewritten with `run.records` (those up to
+    the resumed step; none for a fresh run)."""
+    if run.args.overwrite and run.ckpt_dir.exists():
+        shutil.rmtree(run.ckpt_dir)
         print(f"note: --overwrite: removed the checkpoints and metrics of the previous run in "
-              f"{workdir}", file=sys.stderr)
-    workdir.mkdir(parents=True, exist_ok=True)
-    manager = checkpoint_manager(ckpt_dir, args.keep_checkpoints)
-    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+              f"{run.workdir}", file=sys.stderr)
+    run.workdir.mkdir(parents=True, exist_ok=True)
+    run.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in run.records))
 
-    train_step, eval_step = make_steps(graphdef, tx)
-    n_params = count_params(params)
-    device_kind = jax.devices()[0].device_kind
-    flops_per_token = model_flops_per_token(config, params, args.seq_len)
-    peak = peak_flops(device_kind)
-    impl = config.implementation or ("pallas" if _compat.targets_gpu() else "xla")
-    print(f"HybridLM {args.preset}: {n_params:,} parameters, {run_config['dtype']} compute, "
-          f"{impl} kernels on {device_kind}; corpus {len(tokens):,} bytes "
-          f"({len(train_tokens):,} train / {len(eval_tokens):,} eval); "
+
+def compile_steps(run: Run) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(train_step, eval_step) of the run compiled ahead of time for its batch shape, so that the
+    first logged tokens/s is not the compile time."""
+    t_compile = time.perf_counter()
+    batch_shape = jax.ShapeDtypeStruct((run.args.batch_size, run.args.seq_len + 1), jnp.int32)
+    train_step = run.train_step.lower(run.params, run.opt_state, batch_shape).compile()
+    eval_step = run.eval_step.lower(run.params, batch_shape).compile()
+    print(f"compiled in {time.perf_counter() - t_compile:.1f} s", flush=True)
+    return train_step, eval_step
+
+
+def train_loop(run: Run) -> dict[str, Any]:
+    """Trains `run` from `run.start_step` to --steps, leaving its `params` and `opt_state` at the
+    last step. On a fresh run, step 0 is logged first (the untrained model's losses). Every
+    --log-every steps a record (mean loss, learning rate, tokens/s, MFU where the peak is known)
+    is appended to metrics.jsonl, with an eval loss every --eval-every steps; a checkpoint is
+    saved every --checkpoint-every steps; both at the last step too.
+
+    Returns initial_eval_loss (None when resumed), final_eval_loss, final_loss, tokens_per_s
+    (over the timed steps) and mfu (None when the peak is unknown).
+    """
+    args, run_config, sampler, schedule = run.args, run.run_config, run.sampler, run.schedule
+    start_step, flops_per_token, peak = run.start_step, run.flops_per_token, run.peak
+    impl = run.config.implementation or ("pallas" if _device.on_gpu() else "xla")
+    print(f"HybridLM {args.preset}: {run.n_params:,} parameters, {run_config['dtype']} compute, "
+          f"{impl} kernels on {run.device_kind}; corpus {len(run.tokens):,} bytes "
+          f"({len(run.train_tokens):,} train / {len(run.eval_tokens):,} eval); "
           f"steps {start_step} -> {args.steps}, batch {args.batch_size} x {args.seq_len}",
           flush=True)
-
-    # Compile ahead of time so that the first logged tokens/s is not the compile time.
-    t_compile = time.perf_counter()
-    batch_shape = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32)
-    train_step = train_step.lower(params, opt_state, batch_shape).compile()
-    eval_step = eval_step.lower(params, batch_shape).compile()
-    print(f"compiled in {time.perf_counter() - t_compile:.1f} s", flush=True)
+    train_step, eval_step = compile_steps(run)
+    params, opt_state = run.params, run.opt_state
 
     def evaluate(params) -> float:
-        return float(np.mean([float(eval_step(params, b)) for b in eval_set]))
+        return float(np.mean([float(eval_step(params, b)) for b in run.eval_set]))
 
     def log(record: dict[str, Any]) -> None:
-        records.append(record)
-        with metrics_path.open("a") as f:
+        run.records.append(record)
+        with run.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
     initial_eval = None
@@ -826,6 +855,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         sampler.set_state(rng_state)
         log({"step": 0, "loss": first_loss, "eval_loss": initial_eval, "lr": float(schedule(0))})
 
+    manager = checkpoint_manager(run.ckpt_dir, args.keep_checkpoints)
     tokens_per_step = args.batch_size * args.seq_len
     bar = tqdm(total=args.steps, initial=start_step, disable=args.no_progress, unit="step",
                dynamic_ncols=True, desc="train")
@@ -869,40 +899,70 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             save_checkpoint(manager, step, params, opt_state, sampler, run_config)
             window_start += time.perf_counter() - t_save  # not counted in tokens/s
     bar.close()
+    manager.close()
+    run.params, run.opt_state = params, opt_state
 
     tokens_per_s = total_tokens / total_time if total_time else float("nan")
     mfu = tokens_per_s * flops_per_token / peak if peak else None
     print(f"throughput {tokens_per_s:,.0f} tokens/s; model FLOPs/token {flops_per_token:.3g}; "
           f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
-          + ("" if peak else f" (no peak FLOP/s known for {device_kind!r})"), flush=True)
+          + ("" if peak else f" (no peak FLOP/s known for {run.device_kind!r})"), flush=True)
     final_eval = last.get("eval_loss")
     if initial_eval is not None:
         print(f"eval loss {initial_eval:.4f} -> {final_eval:.4f} nats/byte "
               f"(uniform: ln 256 = {math.log(VOCAB_SIZE):.4f})", flush=True)
     else:
         print(f"eval loss {final_eval:.4f} nats/byte", flush=True)
+    return {"initial_eval_loss": initial_eval, "final_eval_loss": final_eval,
+            "final_loss": last.get("loss"), "tokens_per_s": tokens_per_s, "mfu": mfu}
 
-    all_records = read_metrics(metrics_path)
-    plot_losses(all_records, workdir / "loss.png",
+
+def write_outputs(run: Run) -> tuple[list[dict[str, Any]], list[str]]:
+    """Writes loss.png (all of metrics.jsonl) and, unless --sample-tokens is 0, samples.txt (the
+    trained model's continuations of the prompts); returns (records, samples)."""
+    args = run.args
+    records = read_metrics(run.metrics_path)
+    plot_losses(records, run.workdir / "loss.png",
                 f"HybridLM {args.preset}, byte-level, {Path(args.corpus).name}")
     samples = []
     if args.sample_tokens:
-        samples = generate_samples(graphdef, params, args.prompts, args.sample_tokens,
+        samples = generate_samples(run.graphdef, run.params, args.prompts, args.sample_tokens,
                                    args.temperature, args.seed)
         text = "".join(f"=== sample {i + 1}, prompt {p!r}, step {args.steps}, temperature "
                        f"{args.temperature} ===\n{s}\n\n"
                        for i, (p, s) in enumerate(zip(args.prompts, samples, strict=True)))
-        (workdir / "samples.txt").write_text(text, encoding="utf-8")
+        (run.workdir / "samples.txt").write_text(text, encoding="utf-8")
         print(f"--- sample ---\n{samples[0]}\n---", flush=True)
+    return records, samples
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Trains (or resumes) as the flags say; writes the workdir's outputs; returns a summary.
+
+    `setup` checks every input before anything on disk changes (on --resume `resume_run` then
+    checks the checkpoint), `open_workdir` makes the first change, `train_loop` trains and
+    `write_outputs` writes loss.png and samples.txt.
+
+    Summary keys: steps, start_step, n_params, initial_eval_loss (None when resumed),
+    final_eval_loss, final_loss, tokens_per_s, mfu (None when unknown), flops_per_token,
+    device_kind, wall_s, workdir, records (all of metrics.jsonl), samples, model (the trained
+    HybridLM).
+    Raises UsageError for unusable inputs.
+    """
+    t_start = time.perf_counter()
+    run = setup(args)
+    if args.resume:
+        resume_run(run)
+    open_workdir(run)
+    progress = train_loop(run)
+    records, samples = write_outputs(run)
     wall = time.perf_counter() - t_start
-    print(f"done in {wall:.1f} s; outputs in {workdir}", flush=True)
+    print(f"done in {wall:.1f} s; outputs in {run.workdir}", flush=True)
     return {
-        "steps": args.steps, "start_step": start_step, "n_params": n_params,
-        "initial_eval_loss": initial_eval, "final_eval_loss": final_eval,
-        "final_loss": last.get("loss"), "tokens_per_s": tokens_per_s, "mfu": mfu,
-        "flops_per_token": flops_per_token, "device_kind": device_kind, "wall_s": wall,
-        "workdir": str(workdir), "records": all_records, "samples": samples,
-        "model": nnx.merge(graphdef, params),
+        "steps": args.steps, "start_step": run.start_step, "n_params": run.n_params, **progress,
+        "flops_per_token": run.flops_per_token, "device_kind": run.device_kind, "wall_s": wall,
+        "workdir": str(run.workdir), "records": records, "samples": samples,
+        "model": nnx.merge(run.graphdef, run.params),
     }
 
 

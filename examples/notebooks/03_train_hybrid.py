@@ -59,7 +59,7 @@ script = find_script()
 spec = importlib.util.spec_from_file_location("train_hybrid_lm", script)
 trainer = importlib.util.module_from_spec(spec)
 sys.modules["train_hybrid_lm"] = trainer
-spec.loader.exec_module(trainer)  # also puts the repository root on sys.path
+spec.loader.exec_module(trainer)  # the package itself is installed (pip install -e .)
 print("training script:", script.relative_to(script.parents[1]))
 print("JAX devices:", jax.devices())
 
