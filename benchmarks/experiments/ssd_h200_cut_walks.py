@@ -2,8 +2,8 @@
 
 Prints one JSON line per (shape, variant): fwd and fwd+bwd ms of the public call
 (`ssd_tune.end_to_end`) with the table's tiles ("table") or with `backward_segment_walks_below`
-above the walks and `scan_programs` k x the walks ("cutK"). NOTES, fifteenth round. Run from the
-repository root: `PYTHONPATH=$PWD python benchmarks/results/ssd_h200_cut_walks.py`.
+above the walks and `scan_programs` k x the walks ("cutK"); results/ssd_h200_cut_walks.jsonl.
+Run from the repository root: `PYTHONPATH=$PWD python benchmarks/experiments/ssd_h200_cut_walks.py`.
 """
 
 import dataclasses

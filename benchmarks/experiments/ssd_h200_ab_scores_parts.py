@@ -1,9 +1,9 @@
-"""The forward alone, for the scores-precompute A/B (NOTES, fifteenth round).
+"""The forward alone, for the scores-precompute A/B (benchmarks/NOTES.md, SSD forward).
 
 Prints one JSON line per shape: ms of `forward.forward` (segment sums and scan, no preprocess)
 with the table's forward stages and with 2, and where the tree has `common.chunk_scores` (the
 patched tree), the XLA scores einsum alone. Run from a tree's root:
-`PYTHONPATH=$PWD python benchmarks/results/ssd_h200_ab_scores_parts.py TAG`.
+`PYTHONPATH=$PWD python benchmarks/experiments/ssd_h200_ab_scores_parts.py TAG`.
 """
 
 import dataclasses

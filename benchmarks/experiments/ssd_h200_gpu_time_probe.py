@@ -1,11 +1,11 @@
-"""The probe behind ssd_h200_gpu_time_probe.jsonl (twelfth round, benchmarks/NOTES.md), kept as
+"""The probe behind results/ssd_h200_gpu_time_probe.jsonl (benchmarks/NOTES.md), kept as
 it ran: mamba_ssm's SSD at one shape, eager amortised ms, host ms per call and CUDA-graph replay
 ms (the device time of its kernels without Python's launch costs), with ours amortised beside it.
 On the GPU machine, from the repository root, one process per shape:
 
     source benchmarks/peers_setup.sh
     for s in 8192:64:1 4096:64:1 8192:128:1 4096:128:1 8192:64:8 4096:64:8 8192:128:8 \
-        4096:128:8; do python benchmarks/results/ssd_h200_gpu_time_probe.py $s; done
+        4096:128:8; do python benchmarks/experiments/ssd_h200_gpu_time_probe.py $s; done
 
 (PYTHONPATH=$PWD; rows are appended to $OUT/rows.jsonl). `python -m benchmarks.ssd --metric
 device` measures the same (`_timing._torch_graph_seconds`) and supersedes it.

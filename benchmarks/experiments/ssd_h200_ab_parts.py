@@ -1,5 +1,6 @@
 """Per-kernel device ms of the SSD kernels with the table's tiles, G 1, for the A/Bs in
-ssd_h200_ab_launch.txt: `PYTHONPATH=<tree> python benchmarks/results/ssd_h200_ab_parts.py TAG`.
+results/ssd_h200_ab_launch.json. From a tree's root:
+`PYTHONPATH=<tree> python benchmarks/experiments/ssd_h200_ab_parts.py TAG`.
 
 `benchmarks.ssd_tune.time_parts` at T 4096 and 8192, N 64 and 128, and, where the tree has it,
 `backward.states_and_gradients` (the two backward walks as launched together) as "both".
