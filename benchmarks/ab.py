@@ -53,6 +53,7 @@ def _cases():
     ]
     scans = [
         ("T8192 N128 G1 c256", dict(seq_len=8192, state=128, groups=1), dict(chunk_size=256)),
+        ("T4096 N128 G1 c256", dict(seq_len=4096, state=128, groups=1), dict(chunk_size=256)),
         ("T4096 N64 G8 c256", dict(seq_len=4096, state=64, groups=8), dict(chunk_size=256)),
         ("T8192 N64 G1 c64", dict(seq_len=8192, state=64, groups=1), dict(chunk_size=64)),
         ("T8192 N64 G1 c256 seq_idx", dict(seq_len=8192, state=64, groups=1),

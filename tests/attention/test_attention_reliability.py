@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import make_inputs
-from ssd_cases import rel_error
+from numerics import rel_error
 
 import pallas_kernels
 from pallas_kernels.attention import api

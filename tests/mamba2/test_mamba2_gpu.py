@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ssd_cases import loss_and_grads, make_inputs, rel_error
+from numerics import rel_error
+from ssd_cases import loss_and_grads, make_inputs
 
 import pallas_kernels
 from pallas_kernels.mamba2 import reference, walks

@@ -1,0 +1,114 @@
+"""The public calls that the lowering tests and the machine-code check lower ahead of time for
+GPUs that are not attached (NVIDIA H200, AMD gfx942), on a CPU: one case per name in `CASES`.
+
+Interpret mode does not check Triton's rules (power-of-two arrays, supported primitives); the
+real lowering does, and it runs on a CPU under an abstract mesh of the target device.
+"""
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from pallas_kernels import _compat
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+# Target name -> (abstract device kind, lowering platform).
+TARGETS = {"gfx942": ("gfx942", "rocm"), "sm_90a": ("NVIDIA H200", "cuda")}
+
+
+def _attention(head_dim, t=4096, feature="causal"):
+    """Attention forward and backward (vjp), bf16, b 2, 16 query / 4 key-value heads."""
+    def make():
+        b, n, k = 2, 16, 4
+        q = jax.ShapeDtypeStruct((b, t, n, head_dim), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((b, t, k, head_dim), jnp.bfloat16)
+        ids = jax.ShapeDtypeStruct((b, t), jnp.int32)
+        lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+
+        def train_step(q, k, v, ids, lengths):
+            kw = {
+                "causal": dict(is_causal=True),
+                "window-softcap": dict(local_window_size=(256, 0), logits_soft_cap=30.0),
+                "segments-lengths": dict(q_segment_ids=ids, kv_segment_ids=ids,
+                                         query_seq_lengths=lengths,
+                                         key_value_seq_lengths=lengths),
+            }[feature]
+            out, vjp = jax.vjp(
+                lambda q, k, v: pallas_kernels.dot_product_attention(q, k, v, **kw), q, k, v)
+            return out, vjp(out)
+
+        return "attention", train_step, (q, kv, kv, ids, lengths)
+
+    return make
+
+
+def _ssd(t=4096, groups=1, seq_idx=False):
+    """The SSD's gradient at the Mamba2-2.7B mixer shape: H 80 heads of P 64, state N 128,
+    chunk 256, bf16, with D, z, dt_bias and initial states."""
+    def make():
+        b, h, p, n = 2, 80, 64, 128
+        bf16, f32 = jnp.bfloat16, jnp.float32
+        args = dict(
+            x=jax.ShapeDtypeStruct((b, t, h, p), bf16),
+            dt=jax.ShapeDtypeStruct((b, t, h), bf16),
+            A=jax.ShapeDtypeStruct((h,), f32),
+            B=jax.ShapeDtypeStruct((b, t, groups, n), bf16),
+            C=jax.ShapeDtypeStruct((b, t, groups, n), bf16),
+            D=jax.ShapeDtypeStruct((h,), f32),
+            z=jax.ShapeDtypeStruct((b, t, h, p), bf16),
+            dt_bias=jax.ShapeDtypeStruct((h,), f32),
+            initial_states=jax.ShapeDtypeStruct((b, h, p, n), f32),
+        )
+        seq = jax.ShapeDtypeStruct((b, t), jnp.int32) if seq_idx else None
+
+        def train_step(args, seq):
+            def loss(args):
+                y, final = pallas_kernels.mamba_chunk_scan_combined(
+                    **args, chunk_size=256, seq_idx=seq, dt_softplus=True,
+                    return_final_states=True)
+                return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
+
+            return jax.grad(loss)(args)
+
+        return "ssd", train_step, (args, seq)
+
+    return make
+
+
+def _state_update():
+    """One decode step at the same mixer shape, batch 8."""
+    b, h, p, n, g = 8, 80, 64, 128, 1
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    args = (
+        jax.ShapeDtypeStruct((b, h, p, n), f32), jax.ShapeDtypeStruct((b, h, p), bf16),
+        jax.ShapeDtypeStruct((b, h), bf16), jax.ShapeDtypeStruct((h,), f32),
+        jax.ShapeDtypeStruct((b, g, n), bf16), jax.ShapeDtypeStruct((b, g, n), bf16),
+        jax.ShapeDtypeStruct((h,), f32), jax.ShapeDtypeStruct((b, h, p), bf16),
+        jax.ShapeDtypeStruct((h,), f32),
+    )
+
+    def step(state, x, dt, A, B, C, D, z, dt_bias):
+        return pallas_kernels.selective_state_update(
+            state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
+
+    return "state_update", step, args
+
+
+# Name -> make() returning (family, fn, args), args jax.ShapeDtypeStructs.
+CASES = {
+    **{f"attn-h{hd}-{f}": _attention(hd, feature=f)
+       for hd in (128, 80) for f in ("causal", "window-softcap", "segments-lengths")},
+    **{f"attn-h{hd}-t{t}": _attention(hd, t=t) for hd in (64, 256) for t in (4096, 77)},
+    "ssd-t4096": _ssd(),
+    "ssd-t4096-seq_idx": _ssd(seq_idx=True),
+    "ssd-t1000-g8": _ssd(t=1000, groups=8),
+    "ssd-state-update": _state_update,
+}
+
+
+def lower(case, target):
+    """(family, the jax.stages.Lowered) of `CASES[case]` for `target` (a key of TARGETS)."""
+    device_kind, platform = TARGETS[target]
+    family, fn, args = CASES[case]()
+    with jax.sharding.use_abstract_mesh(_compat.abstract_gpu_mesh(device_kind, platform)):
+        return family, jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))

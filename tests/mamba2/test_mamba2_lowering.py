@@ -1,0 +1,36 @@
+"""Ahead-of-time lowering of the SSD kernels to Triton (NVIDIA H200, AMD gfx942) at the
+Mamba2-2.7B mixer shape: H 80 heads of P 64, state N 128, one group, chunk 256, bf16
+(`lowering_cases`)."""
+
+import pytest
+from lowering_cases import TARGETS, TRITON_CALL, lower
+
+# The dt preprocessing, the forward scan's unit sums and the forward scan, then the backward's
+# state recompute and state gradients (one launch), chunk gradients and the dB/dC state terms.
+# On the H200, b 2 x 80 heads x one 64-row head-dim block = 160 walks of 64 chunks at T 4096:
+# the forward walks halves and splits the 56 first halves beyond its first round (264
+# programs), so it needs unit sums; the backward's walks are cut only below 160. On gfx942 the
+# 16-row head-dim blocks make 640 walks, more than the 304 compute units run at once (one
+# program each, by the table), so the forward splits the last round's 32 walks.
+_TRITON_CALLS = 6
+
+EXPECTED = {
+    ("ssd-t4096", "gfx942"): _TRITON_CALLS,
+    ("ssd-t4096", "sm_90a"): _TRITON_CALLS,
+    ("ssd-t4096-seq_idx", "gfx942"): _TRITON_CALLS,
+    ("ssd-t4096-seq_idx", "sm_90a"): _TRITON_CALLS,
+    # A ragged length with 8 groups. On the H200 the 160 walks of 16 chunks fit one round of
+    # programs: no unit sums.
+    ("ssd-t1000-g8", "gfx942"): _TRITON_CALLS,
+    ("ssd-t1000-g8", "sm_90a"): _TRITON_CALLS - 1,
+    # The decode step: one kernel.
+    ("ssd-state-update", "gfx942"): 1,
+    ("ssd-state-update", "sm_90a"): 1,
+}
+
+
+@pytest.mark.parametrize("case, target", list(EXPECTED), ids=[f"{c}-{t}" for c, t in EXPECTED])
+def test_ssd_lowers_to_triton(case, target):
+    assert target in TARGETS
+    _, lowered = lower(case, target)
+    assert lowered.as_text().count(TRITON_CALL) == EXPECTED[case, target]
