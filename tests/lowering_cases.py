@@ -42,11 +42,11 @@ def _attention(head_dim, t=4096, feature="causal"):
     return make
 
 
-def _ssd(t=4096, groups=1, seq_idx=False):
-    """The SSD's gradient at the Mamba2-2.7B mixer shape: H 80 heads of P 64, state N 128,
-    chunk 256, bf16, with D, z, dt_bias and initial states."""
+def _ssd(t=4096, groups=1, seq_idx=False, n=128):
+    """The SSD's gradient at the Mamba2-2.7B mixer shape: H 80 heads of P 64, state N 128 (or
+    `n`), chunk 256, bf16, with D, z, dt_bias and initial states."""
     def make():
-        b, h, p, n = 2, 80, 64, 128
+        b, h, p = 2, 80, 64
         bf16, f32 = jnp.bfloat16, jnp.float32
         args = dict(
             x=jax.ShapeDtypeStruct((b, t, h, p), bf16),
@@ -102,6 +102,7 @@ CASES = {
     "ssd-t4096": _ssd(),
     "ssd-t4096-seq_idx": _ssd(seq_idx=True),
     "ssd-t1000-g8": _ssd(t=1000, groups=8),
+    "ssd-t4096-n64": _ssd(n=64),
     "ssd-state-update": _state_update,
 }
 
