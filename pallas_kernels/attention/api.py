@@ -14,8 +14,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import _derivatives, _device, _dispatch
+from pallas_kernels import _derivatives, _device, _dispatch, _sharding
 from pallas_kernels.attention import (
     backward,
     checks,
@@ -46,6 +47,7 @@ def dot_product_attention(
     return_residual=False,
     block_sizes=None,
     interpret=None,
+    sharding=None,
 ):
     """Scaled dot-product attention, softmax(q k^T * scale) v, as `jax.nn.dot_product_attention`.
 
@@ -70,6 +72,11 @@ def dot_product_attention(
       block_sizes: a `tuning.AttentionBlocks` (`pallas_kernels.AttentionBlocks`) to use instead
         of the tuned table.
       interpret: run the Pallas kernels in interpret mode (on CPU); None: when not on a GPU.
+      sharding: how the query is sharded on a mesh, a `jax.sharding.NamedSharding` or a
+        `PartitionSpec` (on the mesh of `jax.set_mesh`), for classic meshes; on meshes with
+        Explicit axes (`jax.make_mesh`) the query's own sharding is used. Batch and heads may
+        be sharded (key/value heads shard with the query heads); the kernels then run per
+        shard under `jax.shard_map`, with no collective on their inputs.
 
     Returns:
       The output, shaped and typed as the query (accumulation is float32), and with
@@ -82,6 +89,8 @@ def dot_product_attention(
     """
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     batched = checks.check_arrays(query, key, value)
+    placement = _sharding.find("query", query, sharding, sequence_dim=1, feature_dims=(3,),
+                               batched=batched)
     if not batched:
         query, key, value = (x[None] for x in (query, key, value))
     batch, t, n, h = query.shape
@@ -103,20 +112,34 @@ def dot_product_attention(
     if implementation == "pallas" and h > MAX_HEAD_DIM:
         raise ValueError(f"the Pallas kernels support head dims up to {MAX_HEAD_DIM}, got {h}")
 
-    if implementation == "xla":
-        out, lse = reference.dot_product_attention(
-            query, key, value, scale=scale, is_causal=is_causal,
-            local_window_size=local_window_size,
-            q_segment_ids=None if segments is None else segments[0],
-            kv_segment_ids=None if segments is None else segments[1],
-            query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
-            logits_soft_cap=logits_soft_cap, return_residual=True,
+    def compute(query, key, value, q_seg, kv_seg, q_len, kv_len):
+        """(out, lse) of checked, batched arrays (a shard's, on a mesh)."""
+        if implementation == "xla":
+            return reference.dot_product_attention(
+                query, key, value, scale=scale, is_causal=is_causal,
+                local_window_size=local_window_size, q_segment_ids=q_seg,
+                kv_segment_ids=kv_seg, query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+                logits_soft_cap=logits_soft_cap, return_residual=True,
+            )
+        return _pallas_attention(
+            query, key, value, None if q_seg is None else (q_seg, kv_seg), q_len, kv_len,
+            block_sizes, scale=scale, band=band, logits_soft_cap=logits_soft_cap,
+            interpret=interpret,
         )
+
+    arrays = (query, key, value, *((None, None) if segments is None else segments), q_len,
+              kv_len)
+    if placement is None:
+        out, lse = compute(*arrays)
     else:
-        out, lse = _pallas_attention(
-            query, key, value, segments, q_len, kv_len, block_sizes,
-            scale=scale, band=band, logits_soft_cap=logits_soft_cap, interpret=interpret,
-        )
+        placement.check_divides("query", "the batch", batch, placement.batch)
+        placement.check_divides("query", "the heads", n, placement.heads)
+        placement.check_divides("key", "the key/value heads", key.shape[2], placement.heads)
+        heads = P(placement.batch, None, placement.heads, None)
+        rows, lengths = P(placement.batch, None), P(placement.batch)
+        out, lse = _sharding.run(placement, compute, arrays,
+                                 (heads, heads, heads, rows, rows, lengths, lengths),
+                                 (heads, P(placement.batch, None, placement.heads)))
     if not batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residual else out

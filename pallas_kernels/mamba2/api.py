@@ -16,8 +16,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import _derivatives, _device, _dispatch
+from pallas_kernels import _derivatives, _device, _dispatch, _sharding
 from pallas_kernels.mamba2 import (
     backward,
     checks,
@@ -49,6 +50,7 @@ def mamba_chunk_scan_combined(
     *,
     implementation=None,
     interpret=None,
+    sharding=None,
 ):
     """Mamba2's chunked selective scan (SSD), differentiable in every array argument.
 
@@ -71,6 +73,11 @@ def mamba_chunk_scan_combined(
         (float64 for float64 inputs under x64, on both paths).
       implementation: "pallas", "xla" (chunked jnp reference) or None (pallas on GPU, else xla).
       interpret: run the Pallas kernels in interpret mode; None: when not on a GPU.
+      sharding: how x is sharded on a mesh, a `jax.sharding.NamedSharding` or a
+        `PartitionSpec` (on the mesh of `jax.set_mesh`), for classic meshes; on meshes with
+        Explicit axes (`jax.make_mesh`) x's own sharding is used. Batch and heads may be
+        sharded (dt, A, D, dt_bias, initial_states follow the heads; B and C's groups too,
+        unless G is 1); the kernels then run per shard under `jax.shard_map`.
 
     Returns:
       y (b, T, H, P) in x's dtype, or (y, final_states) with `return_final_states`.
@@ -83,16 +90,46 @@ def mamba_chunk_scan_combined(
     return_final_states = _dispatch.check_bool("return_final_states", return_final_states)
     dt_limit = checks.check_dt_limit(dt_limit)
     implementation, interpret = _dispatch.choose(implementation, interpret)
-    if implementation == "xla":
-        return reference.mamba_chunk_scan_combined(
-            x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
-            initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
-            dt_limit=dt_limit, return_final_states=return_final_states,
-        )
-    y, final = _pallas_ssd(x, dt, semantics.decay_rates(A), B, C, chunk_size, D, z, dt_bias,
-                           initial_states, seq_idx, dt_softplus, dt_limit, interpret)
-    final = final.astype(semantics.compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states))
+    placement = _sharding.find("x", x, sharding, sequence_dim=1, feature_dims=(3,))
+
+    def compute(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx):
+        """(y, final) of checked arrays (a shard's, on a mesh)."""
+        if implementation == "xla":
+            return reference.mamba_chunk_scan_combined(
+                x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+                initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
+                dt_limit=dt_limit, return_final_states=True,
+            )
+        y, final = _pallas_ssd(x, dt, semantics.decay_rates(A), B, C, chunk_size, D, z,
+                               dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
+                               interpret)
+        return y, final.astype(
+            semantics.compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states))
+
+    arrays = (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
+    if placement is None:
+        y, final = compute(*arrays)
+    else:
+        y, final = _sharding.run(placement, compute, arrays, *_specs(placement, x, B, D))
     return (y, final) if return_final_states else y
+
+
+def _specs(placement, x, B, D):
+    """(in_specs, out_specs) of `compute` under `placement`, after checking that the batch,
+    the heads and B's groups divide over their mesh axes."""
+    rows, heads = placement.batch, placement.heads
+    placement.check_divides("x", "the batch", x.shape[0], rows)
+    placement.check_divides("x", "the heads", x.shape[2], heads)
+    groups = B.shape[2]
+    if groups > 1:  # each shard's heads must find their groups in its shard of B and C
+        placement.check_divides("B", "the groups", groups, heads)
+    tokens = P(rows, None, heads, None)
+    grouped = P(rows, None, heads if groups > 1 else None, None)
+    states = P(rows, heads, None, None)
+    skip = None if D is None else P(heads) if D.ndim == 1 else P(heads, None)
+    in_specs = (tokens, P(rows, None, heads), P(heads), grouped, grouped, skip, tokens,
+                P(heads), states, P(rows, None))
+    return in_specs, (tokens, states)
 
 
 # ---------------------------------------------------------------------------------------------

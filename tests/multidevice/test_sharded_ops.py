@@ -1,0 +1,229 @@
+"""Both ops on 8 (simulated) devices: batch and head sharding, found from the arrays' types on
+`jax.make_mesh` meshes (Explicit axes) and from `sharding=` on classic meshes, against the
+unsharded call; no all-gather of a kernel input; a sharding that cannot be honoured raises a
+ValueError naming the argument and the mesh axis.
+
+Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (`.ci/run` does).
+"""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import make_inputs as attention_inputs
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from numerics import rel_error
+from ssd_cases import DIFFERENTIABLE
+from ssd_cases import make_inputs as ssd_inputs
+
+import pallas_kernels
+
+pytestmark = pytest.mark.multidevice
+
+MESHES = {"8": ((8,), ("data",)), "2x4": ((2, 4), ("data", "tensor"))}
+# (id, mesh, PartitionSpec of the leading array): batch, heads, batch x heads.
+SHARDINGS = [
+    ("batch-8", "8", P("data")),
+    ("heads-8", "8", P(None, None, "data")),
+    ("batch2-heads4", "2x4", P("data", None, "tensor")),
+]
+HEADS_AXIS_SIZE = {"batch-8": 1, "heads-8": 8, "batch2-heads4": 4}
+
+
+def _combinations(cases):
+    """Every case on make_mesh meshes; the first also on classic meshes (`sharding=`)."""
+    return [pytest.param(case, sharding, explicit,
+                         id=f"{case[0]}-{sharding[0]}-{'make_mesh' if explicit else 'classic'}")
+            for i, case in enumerate(cases) for sharding in SHARDINGS
+            for explicit in ((True, False) if i == 0 else (True,))]
+
+
+def _mesh(name, explicit):
+    shape, axes = MESHES[name]
+    if explicit:
+        return jax.make_mesh(shape, axes, axis_types=(AxisType.Explicit,) * len(axes))
+    devices = np.array(jax.devices()[:np.prod(shape)]).reshape(shape)
+    return jax.sharding.Mesh(devices, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+def _seed(*parts):
+    return zlib.crc32("-".join(map(str, parts)).encode()) % 1000
+
+
+def _sharded(fn, mesh, spec, explicit, lead, rest):
+    """fn(lead, *rest) with `lead` placed by `spec`: on an explicit mesh through its type, on a
+    classic one through `sharding=`, under jit; and the gradient of the sum of squares of
+    every output."""
+    sharding = NamedSharding(mesh, spec)
+    lead = jax.device_put(lead, sharding)
+    kw = {} if explicit else dict(sharding=sharding)
+
+    def loss(lead, rest):
+        outs = fn(lead, *rest, **kw)
+        return sum(jnp.sum(jnp.square(o.astype(jnp.float32))) for o in jax.tree.leaves(outs))
+
+    if explicit:
+        with jax.set_mesh(mesh):
+            return (jax.jit(functools.partial(fn, **kw))(lead, *rest),
+                    jax.jit(jax.grad(loss, argnums=(0, 1)))(lead, rest))
+    return (jax.jit(functools.partial(fn, **kw))(lead, *rest),
+            jax.jit(jax.grad(loss, argnums=(0, 1)))(lead, rest))
+
+
+def _unsharded(fn, lead, rest):
+    def loss(lead, rest):
+        outs = fn(lead, *rest)
+        return sum(jnp.sum(jnp.square(o.astype(jnp.float32))) for o in jax.tree.leaves(outs))
+
+    return jax.jit(fn)(lead, *rest), jax.jit(jax.grad(loss, argnums=(0, 1)))(lead, rest)
+
+
+def _assert_same(got, want, tol):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.shape == b.shape
+        assert rel_error(a, b) < tol
+
+
+ATTENTION = [
+    ("gqa-causal", dict(is_causal=True), ()),
+    ("window-softcap", dict(local_window_size=(5, 2), logits_soft_cap=3.0), ()),
+    ("segments-lengths", {}, ("segments", "lengths")),
+]
+
+
+@pytest.mark.parametrize("case, sharding, explicit", _combinations(ATTENTION))
+def test_attention_matches_unsharded(case, sharding, explicit):
+    name, kw, mask = case
+    _, mesh_name, spec = sharding
+    k_heads = max(4, HEADS_AXIS_SIZE[sharding[0]])  # GQA 2:1 where the heads axis allows
+    args, masks = attention_inputs(_seed(name, sharding[0]), b=8, t=32, n=8, k=k_heads,
+                                   h=16, mask=mask)
+    q, k, v = args[:3]
+
+    def attention(q, k, v, **extra):
+        return pallas_kernels.dot_product_attention(
+            q, k, v, implementation="pallas", **kw, **masks, **extra)
+
+    got = _sharded(attention, _mesh(mesh_name, explicit), spec, explicit, q, (k, v))
+    _assert_same(got, _unsharded(attention, q, (k, v)), 2e-5)
+
+
+SSD = [
+    ("d-z-bias-h0-g1", dict(g=1), {}),
+    ("groups-seq-idx", dict(g=2, seq_idx=True), {}),
+    ("limits", dict(g=1, d="hp"), dict(dt_limit=(0.05, 2.0))),
+]
+
+
+@pytest.mark.parametrize("case, sharding, explicit", _combinations(SSD))
+def test_ssd_matches_unsharded(case, sharding, explicit):
+    name, shape, kw = case
+    _, mesh_name, spec = sharding
+    if shape["g"] > 1:  # the groups shard with the heads: as many as the heads axis has devices
+        shape = dict(shape, g=max(shape["g"], HEADS_AXIS_SIZE[sharding[0]]))
+    inputs = ssd_inputs(_seed(name, sharding[0]), b=8, t=32, h=8, p=8, n=16, **shape)
+    seq_idx = inputs.pop("seq_idx", None)
+    rest_names = [n for n in DIFFERENTIABLE if n != "x" and inputs.get(n) is not None]
+
+    def ssd(x, *rest, **extra):
+        return pallas_kernels.mamba_chunk_scan_combined(
+            x, **dict(zip(rest_names, rest, strict=True)), chunk_size=16, seq_idx=seq_idx,
+            dt_softplus=True, return_final_states=True, implementation="pallas", **kw, **extra)
+
+    rest = tuple(inputs[n] for n in rest_names)
+    got = _sharded(ssd, _mesh(mesh_name, explicit), spec, explicit, inputs["x"], rest)
+    _assert_same(got, _unsharded(ssd, inputs["x"], rest), 2e-5)
+
+
+def test_no_kernel_input_is_gathered():
+    mesh = _mesh("2x4", explicit=False)
+    sharding = NamedSharding(mesh, P("data", None, "tensor"))
+    q = jax.ShapeDtypeStruct((8, 64, 8, 16), jnp.float32, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((8, 64, 4, 16), jnp.float32, sharding=sharding)
+
+    def step(q, k, v):
+        out, vjp = jax.vjp(functools.partial(
+            pallas_kernels.dot_product_attention, is_causal=True, implementation="pallas",
+            sharding=sharding), q, k, v)
+        return vjp(out)
+
+    text = jax.jit(step).lower(q, kv, kv).compile().as_text()
+    assert "all-gather" not in text and "all-to-all" not in text
+
+    x = jax.ShapeDtypeStruct((8, 64, 8, 16), jnp.float32, sharding=sharding)
+    rows = NamedSharding(mesh, P("data"))
+    bc = jax.ShapeDtypeStruct((8, 64, 1, 16), jnp.float32, sharding=rows)
+    dt = jax.ShapeDtypeStruct((8, 64, 8), jnp.float32, sharding=NamedSharding(
+        mesh, P("data", None, "tensor")))
+    heads = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, P("tensor")))
+
+    def ssd_step(x, dt, A, B, C):
+        return jax.grad(lambda *a: jnp.sum(pallas_kernels.mamba_chunk_scan_combined(
+            *a, chunk_size=16, implementation="pallas", sharding=sharding)),
+            argnums=(0, 1, 2, 3, 4))(x, dt, A, B, C)
+
+    text = jax.jit(ssd_step).lower(x, dt, heads, bc, bc).compile().as_text()
+    assert "all-gather" not in text and "all-to-all" not in text
+
+
+def _attention_call(q, k, spec, mesh):
+    return pallas_kernels.dot_product_attention(
+        q, k, k, implementation="xla", sharding=NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("spec, k_heads, needle", [
+    (P(None, "data"), 8, "query's sequence axis is sharded over mesh axis 'data': context "
+                         "parallelism is not supported yet"),
+    (P(None, None, None, "data"), 8, "query's head dim axis is sharded over mesh axis 'data'"),
+    (P(None, None, "data"), 4, r"key: the key/value heads \(4\) does not divide over mesh axis "
+                               "'data' of size 8"),
+])
+def test_attention_sharding_errors(spec, k_heads, needle):
+    mesh = _mesh("8", explicit=False)
+    q = jnp.zeros((8, 16, 8, 16))
+    with pytest.raises(ValueError, match=needle):
+        _attention_call(q, jnp.zeros((8, 16, k_heads, 16)), spec, mesh)
+
+
+def test_ssd_groups_must_divide_over_the_heads_axis():
+    mesh = _mesh("2x4", explicit=False)
+    inputs = ssd_inputs(1, b=2, t=16, h=8, p=8, n=16, g=2)
+    inputs.pop("seq_idx", None)
+    with pytest.raises(ValueError, match=r"B: the groups \(2\) does not divide over mesh axis "
+                                         "'tensor' of size 4"):
+        pallas_kernels.mamba_chunk_scan_combined(
+            **inputs, chunk_size=16, implementation="xla",
+            sharding=NamedSharding(mesh, P(None, None, "tensor")))
+
+
+def test_partition_spec_needs_a_mesh_and_sharding_a_known_type():
+    q = jnp.zeros((8, 16, 8, 16))
+    with pytest.raises(ValueError, match="a PartitionSpec needs a mesh"):
+        pallas_kernels.dot_product_attention(q, q, q, sharding=P("data"))
+    with pytest.raises(TypeError, match="sharding must be a jax.sharding.NamedSharding"):
+        pallas_kernels.dot_product_attention(q, q, q, sharding="data")
+    mesh = _mesh("8", explicit=False)
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda q: pallas_kernels.dot_product_attention(
+            q, q, q, implementation="xla", sharding=P("data")))(q)
+        with pytest.raises(ValueError, match=r"mesh axes \['nope'\] are not in the mesh"):
+            pallas_kernels.dot_product_attention(q, q, q, sharding=P("nope"))
+    assert out.shape == q.shape
+
+
+def test_inside_a_shard_map_the_ops_run_on_the_local_shards():
+    mesh = _mesh("8", explicit=False)
+    q = jax.random.normal(jax.random.key(0), (8, 16, 4, 16))
+
+    def local(q):
+        assert q.shape[0] == 1
+        return pallas_kernels.dot_product_attention(q, q, q, implementation="pallas")
+
+    out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                                check_vma=False))(q)
+    want = pallas_kernels.dot_product_attention(q, q, q, implementation="pallas")
+    assert rel_error(out, want) < 1e-6
