@@ -28,10 +28,12 @@ def triton_params(num_warps, num_stages):
     return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def abstract_gpu_mesh(device_kind, platform):
-    """A one-device abstract mesh of a GPU that is not attached, for ahead-of-time lowering."""
+def abstract_gpu_mesh(device_kind, platform, shape=(1,), names=("x",), axis_types=None):
+    """An abstract mesh of GPUs that are not attached, for ahead-of-time lowering: one device
+    by default, else `shape` with axis `names` (and `axis_types`, jax's default if None)."""
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform=platform)
-    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    kw = {} if axis_types is None else dict(axis_types=tuple(axis_types))
+    return jax.sharding.AbstractMesh(tuple(shape), tuple(names), abstract_device=device, **kw)
 
 
 def abstract_device():

@@ -7,6 +7,7 @@ Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (`.ci/run` does).
 """
 
 import functools
+import re
 import zlib
 
 import jax
@@ -21,6 +22,7 @@ from ssd_cases import DIFFERENTIABLE
 from ssd_cases import make_inputs as ssd_inputs
 
 import pallas_kernels
+from pallas_kernels import _compat
 
 pytestmark = pytest.mark.multidevice
 
@@ -168,6 +170,42 @@ def test_no_kernel_input_is_gathered():
 
     text = jax.jit(ssd_step).lower(x, dt, heads, bc, bc).compile().as_text()
     assert "all-gather" not in text and "all-to-all" not in text
+
+
+@pytest.mark.parametrize("platform, device_kind", [("cuda", "NVIDIA H200"), ("rocm", "gfx942")])
+def test_every_triton_call_gets_local_shapes_on_8_gpus(platform, device_kind):
+    """Lowered ahead of time for 8 abstract GPUs (4 x 2: batch over data, heads over tensor):
+    every Triton call of attention's and the SSD's train step sees a shard's shapes."""
+    mesh = _compat.abstract_gpu_mesh(device_kind, platform, (4, 2), ("data", "tensor"),
+                                     axis_types=(AxisType.Explicit,) * 2)
+    sharded = NamedSharding(mesh, P("data", None, "tensor"))
+    q = jax.ShapeDtypeStruct((8, 1024, 16, 128), jnp.bfloat16, sharding=sharded)
+    x = jax.ShapeDtypeStruct((8, 1024, 16, 64), jnp.bfloat16, sharding=sharded)
+    dt = jax.ShapeDtypeStruct((8, 1024, 16), jnp.bfloat16, sharding=NamedSharding(
+        mesh, P("data", None, "tensor")))
+    A = jax.ShapeDtypeStruct((16,), jnp.float32, sharding=NamedSharding(mesh, P("tensor")))
+    bc = jax.ShapeDtypeStruct((8, 1024, 1, 128), jnp.bfloat16,
+                              sharding=NamedSharding(mesh, P("data")))
+
+    def attention_step(q, k, v):
+        out, vjp = jax.vjp(functools.partial(pallas_kernels.dot_product_attention,
+                                             is_causal=True), q, k, v)
+        return vjp(out)
+
+    def ssd_step(x, dt, A, B, C):
+        return jax.grad(lambda *a: jnp.sum(pallas_kernels.mamba_chunk_scan_combined(
+            *a, chunk_size=256, dt_softplus=True).astype(jnp.float32)),
+            argnums=(0, 1, 2, 3, 4))(x, dt, A, B, C)
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        texts = [jax.jit(step).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+                 for step, args in ((attention_step, (q, q, q)), (ssd_step, (x, dt, A, bc, bc)))]
+    for text in texts:
+        calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+        assert calls
+        for call in calls:  # token arrays: 2 of 8 rows; (B, T, heads, dim) ones: 8 of 16 heads
+            assert set(re.findall(r"tensor<(\d+)x1024x", call)) <= {"2"}, call[-300:]
+            assert not re.search(r"tensor<\d+x1024x16x\d+x", call), call[-300:]
 
 
 def _attention_call(q, k, spec, mesh):
