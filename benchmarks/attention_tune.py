@@ -112,9 +112,9 @@ def sweep_kernel(kernel, b, t, n, k, h, causal, rows):
     for cand in CANDIDATES[kernel]:
         blocks = tuning.KernelBlocks(*cand)
         sizes = tuning.AttentionBlocks(blocks, blocks, blocks)
-        config = api._Config(static, sizes, (b, t, t))
+        config = api._Config(static, sizes, (b, t, t), (t, t, h))
         try:
-            table = api._tables(config, t, t, None, None, None, None, kernel)
+            table = api._tables(config, t, t, None, None, None, None, None, kernel)
             if kernel == "forward":
                 fn = jax.jit(lambda q, kk, v, table=table, blocks=blocks: forward.forward(
                     q, kk, v, None, None, table, static=static, blocks=blocks))

@@ -2,6 +2,7 @@
 
 from pallas_kernels import _compat
 from pallas_kernels._dispatch import IMPLEMENTATIONS
+from pallas_kernels._sharding import unzigzag, zigzag
 from pallas_kernels.attention.api import dot_product_attention
 from pallas_kernels.attention.tuning import AttentionBlocks, KernelBlocks
 from pallas_kernels.mamba2.api import mamba_chunk_scan_combined
@@ -16,5 +17,7 @@ __all__ = [
     "dot_product_attention",
     "mamba_chunk_scan_combined",
     "selective_state_update",
+    "unzigzag",
+    "zigzag",
 ]
 __version__ = "0.1.0"

@@ -1,5 +1,12 @@
-"""The ops on a mesh: which mesh axes shard the batch and the heads of a call, and the op's local
-computation run per shard under `jax.shard_map`, so that no kernel input is gathered.
+"""The ops on a mesh: which mesh axes shard the batch, the sequence and the heads of a call, and
+the op's local computation run per shard under `jax.shard_map`.
+
+Batch and head sharding gather no kernel input. A sharded sequence is context parallelism:
+each op's `context` module says what its shards exchange. Its tokens are split over the
+sequence axis's n devices either in order ("contiguous": device i holds the i-th n-th) or in
+the zig-zag order that balances causal attention ("zigzag": 2n chunks, device i holds chunks i
+and 2n-1-i; `zigzag` puts a sequence in that order once, before the model, `unzigzag` undoes
+it).
 
 The placement of a call comes from, in this order:
 
@@ -10,31 +17,35 @@ The placement of a call comes from, in this order:
   `jax.typeof(x).sharding` says how it is sharded.
 
 Inside a `jax.shard_map` whose axes are all Manual the arrays are already local and the op runs
-as it is. Only the batch and head axes may be sharded; a sharded sequence or head dim raises a
-ValueError naming the argument and the mesh axis.
+as it is. A sharded head dim (or other feature dim) raises a ValueError naming the argument
+and the mesh axis.
 """
 
 import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
+
+ORDERS = ("contiguous", "zigzag")
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Mesh axes of a call's batch and heads (PartitionSpec entries: None, a name or a tuple
-    of names) on `mesh`; `explicit` when the arrays' types carry their sharding."""
+    """Mesh axes of a call's batch, sequence and heads (PartitionSpec entries: None, a name or
+    a tuple of names) on `mesh`; `explicit` when it has Explicit axes (the arrays' types carry
+    their sharding)."""
 
     mesh: object
     batch: object
+    sequence: object
     heads: object
     explicit: bool
 
     def size(self, entry):
         """Devices along a PartitionSpec entry."""
-        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        return math.prod(self.mesh.shape[name] for name in names)
+        return math.prod(self.mesh.shape[name] for name in _axes(entry))
 
     def check_divides(self, name, what, count, entry):
         """A ValueError naming the argument unless `count` splits evenly over `entry`."""
@@ -43,22 +54,29 @@ class Placement:
             raise ValueError(f"{name}: {what} ({count}) does not divide over mesh axis "
                              f"{entry!r} of size {size}")
 
+    def check_sequence(self, name, length, order):
+        """A ValueError naming the argument unless its sequence of `length` tokens splits into
+        equal pieces over the sequence axis (two per device in zig-zag order)."""
+        pieces = self.size(self.sequence) * (2 if order == "zigzag" else 1)
+        if length % pieces:
+            raise ValueError(f"{name}: the sequence ({length}) does not split into {pieces} "
+                             f"equal pieces over mesh axis {self.sequence!r} ({order} order)")
+
 
 def _axes(entry):
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def find(name, x, sharding, *, sequence_dim, feature_dims, batched=True):
+def find(name, x, sharding, *, feature_dims, batched=True):
     """The Placement of a call whose leading array `x` (called `name`) is (B, T, heads,
     features...) (without B when not `batched`), or None when nothing is sharded or the call
-    runs inside a shard_map. Raises ValueError for a sharded sequence or feature dim."""
+    runs inside a shard_map. Raises ValueError for a sharded feature dim."""
     if sharding is not None and not isinstance(sharding, NamedSharding | PartitionSpec):
         raise TypeError(f"sharding must be a jax.sharding.NamedSharding or PartitionSpec, got "
                         f"{type(sharding).__name__}")
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.manual_axes:
         return None  # inside a shard_map: the arrays are the local shards
-    explicit = False
     if isinstance(sharding, NamedSharding):
         mesh, spec = sharding.mesh, sharding.spec
     elif isinstance(sharding, PartitionSpec):
@@ -70,24 +88,23 @@ def find(name, x, sharding, *, sequence_dim, feature_dims, batched=True):
         own = getattr(jax.typeof(x), "sharding", None)
         if own is None or not any(own.spec):
             return None
-        mesh, spec, explicit = own.mesh, own.spec, True
+        mesh, spec = own.mesh, own.spec
     if len(spec) > x.ndim:
         raise ValueError(f"sharding: {spec} has more entries than {name} has axes ({x.ndim})")
     entries = tuple(spec) + (None,) * (x.ndim - len(spec))
     if not batched:
         entries = (None, *entries)
-    for dim, what in ((sequence_dim, "sequence"), *((d, "head dim") for d in feature_dims)):
+    for dim in feature_dims:
         if entries[dim] is not None:
-            hint = (": context parallelism is not supported yet" if what == "sequence"
-                    else ": the kernels need whole heads")
-            raise ValueError(f"{name}'s {what} axis is sharded over mesh axis "
-                             f"{entries[dim]!r}{hint}")
+            raise ValueError(f"{name}'s head dim is sharded over mesh axis {entries[dim]!r}: "
+                             "the kernels need whole heads")
     unknown = [a for e in entries for a in _axes(e) if a not in mesh.shape]
     if unknown:
         raise ValueError(f"sharding: mesh axes {unknown} are not in the mesh {dict(mesh.shape)}")
-    if entries[0] is None and entries[2] is None:
+    if entries[:3] == (None, None, None):
         return None
-    return Placement(mesh, entries[0], entries[2], explicit)
+    explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
+    return Placement(mesh, *entries[:3], explicit)
 
 
 def run(placement, fn, args, in_specs, out_specs):
@@ -109,3 +126,54 @@ def run(placement, fn, args, in_specs, out_specs):
                   for a, s in zip(arrays, specs, strict=True)]
     return jax.shard_map(local, mesh=placement.mesh, in_specs=specs, out_specs=out_specs,
                          check_vma=False)(*arrays)
+
+
+def check_order(order):
+    """`sequence_order`, checked: one of ORDERS."""
+    if order not in ORDERS:
+        raise ValueError(f"sequence_order must be one of {ORDERS}, got {order!r}")
+    return order
+
+
+def chunk_order(parts):
+    """The zig-zag order of a sequence's 2 * parts chunks: device i holds chunks i and
+    2 * parts - 1 - i, so the list reads 0, 2p-1, 1, 2p-2, ..."""
+    return [c for i in range(parts) for c in (i, 2 * parts - 1 - i)]
+
+
+def _reorder(x, order, axis):
+    chunks = jnp.split(x, len(order), axis=axis)
+    return jnp.concatenate([chunks[c] for c in order], axis=axis)
+
+
+def zigzag(x, parts, axis=1):
+    """`x` with its `axis` (a sequence, length divisible by 2 * parts) in zig-zag order for
+    `parts` devices: cut into 2 * parts chunks, device i's shard of the result holds chunks i
+    and 2 * parts - 1 - i. Apply it once to the tokens, positions and segment ids of a batch and
+    pass `sequence_order="zigzag"` to the ops; `unzigzag` undoes it."""
+    return _reorder(x, chunk_order(parts), axis)
+
+
+def unzigzag(x, parts, axis=1):
+    """The inverse of `zigzag`: back to the natural order."""
+    order = chunk_order(parts)
+    return _reorder(x, sorted(range(len(order)), key=order.__getitem__), axis)
+
+
+def local_chunks(order, parts, index, length):
+    """The pieces of a device's sequence shard of `length` tokens: (start in the shard, size,
+    global offset as a traced int32) each; `index` is the device's (traced) place along the
+    sequence axis of `parts` devices."""
+    if order == "contiguous":
+        return [(0, length, index * length)]
+    half = length // 2
+    return [(0, half, index * half), (half, half, (2 * parts - 1 - index) * half)]
+
+
+def gather_sequence(x, axis_name, order, parts):
+    """The whole sequence (axis 1) of `x`'s shards along mesh axis `axis_name`, in natural
+    order (None stays None)."""
+    if x is None:
+        return None
+    x = jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+    return x if order == "contiguous" else unzigzag(x, parts)

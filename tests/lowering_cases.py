@@ -17,7 +17,9 @@ TARGETS = {"gfx942": ("gfx942", "rocm"), "sm_90a": ("NVIDIA H200", "cuda")}
 
 
 def _attention(head_dim, t=4096, feature="causal"):
-    """Attention forward and backward (vjp), bf16, b 2, 16 query / 4 key-value heads."""
+    """Attention forward and backward (vjp), bf16, b 2, 16 query / 4 key-value heads.
+    "context": causal, as one device's share of ring context parallelism (the sequence on the
+    target's one-device mesh axis), so the kernels take the band's shift from their tables."""
     def make():
         b, n, k = 2, 16, 4
         q = jax.ShapeDtypeStruct((b, t, n, head_dim), jnp.bfloat16)
@@ -32,6 +34,8 @@ def _attention(head_dim, t=4096, feature="causal"):
                 "segments-lengths": dict(q_segment_ids=ids, kv_segment_ids=ids,
                                          query_seq_lengths=lengths,
                                          key_value_seq_lengths=lengths),
+                "context": dict(is_causal=True, sharding=jax.sharding.PartitionSpec(None, "x"),
+                                context_parallelism="ring"),
             }[feature]
             out, vjp = jax.vjp(
                 lambda q, k, v: pallas_kernels.dot_product_attention(q, k, v, **kw), q, k, v)
@@ -99,6 +103,7 @@ CASES = {
     **{f"attn-h{hd}-{f}": _attention(hd, feature=f)
        for hd in (128, 80) for f in ("causal", "window-softcap", "segments-lengths")},
     **{f"attn-h{hd}-t{t}": _attention(hd, t=t) for hd in (64, 256) for t in (4096, 77)},
+    "attn-h128-context": _attention(128, feature="context"),
     "ssd-t4096": _ssd(),
     "ssd-t4096-seq_idx": _ssd(seq_idx=True),
     "ssd-t1000-g8": _ssd(t=1000, groups=8),

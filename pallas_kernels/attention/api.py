@@ -1,7 +1,8 @@
 """`dot_product_attention`: FlashAttention with jax.nn's layout, checks, dispatch and custom_vjp.
 
 A call flows: argument checks (`checks`, before anything is traced) -> implementation choice
-("xla" runs `reference.py`, "pallas" the kernels) -> the tuned blocks (`tuning`) -> padding to
+("xla" runs `reference.py`, "pallas" the kernels) -> on a mesh, per shard (`_sharding`; a sharded
+sequence through `context`) -> the tuned blocks (`tuning`) -> padding to
 whole blocks and a power-of-two head dim -> `_flash_attention`, a `jax.custom_vjp` whose forward
 saves q, k, v, out and lse and whose backward runs the dK/dV and dQ kernels. The backward is
 itself differentiable: its derivatives (second order) are those of the reference's backward
@@ -21,6 +22,7 @@ from pallas_kernels.attention import (
     backward,
     checks,
     common,
+    context,
     forward,
     masking,
     reference,
@@ -48,6 +50,8 @@ def dot_product_attention(
     block_sizes=None,
     interpret=None,
     sharding=None,
+    context_parallelism="all_gather",
+    sequence_order="contiguous",
 ):
     """Scaled dot-product attention, softmax(q k^T * scale) v, as `jax.nn.dot_product_attention`.
 
@@ -75,8 +79,18 @@ def dot_product_attention(
       sharding: how the query is sharded on a mesh, a `jax.sharding.NamedSharding` or a
         `PartitionSpec` (on the mesh of `jax.set_mesh`), for classic meshes; on meshes with
         Explicit axes (`jax.make_mesh`) the query's own sharding is used. Batch and heads may
-        be sharded (key/value heads shard with the query heads); the kernels then run per
-        shard under `jax.shard_map`, with no collective on their inputs.
+        be sharded (key/value heads shard with the query heads) with no collective on the
+        kernels' inputs; the kernels run per shard under `jax.shard_map`. A sharded sequence
+        (key and value sharded as the query) is context parallelism: each device computes
+        its own queries' rows, at their global positions.
+      context_parallelism: how a sharded sequence's devices share keys and values:
+        "all_gather" (gather K and V; reduce-scatter their gradients) or "ring" (pass K and V
+        around the sequence axis, n - 1 collective-permutes each, overlapping the kernels;
+        the backward passes dK and dV along with them, so nothing is stored whole). On the
+        Pallas path ring's second derivatives are not available.
+      sequence_order: how the sequence's tokens lie on the devices, "contiguous" or "zigzag"
+        (`pallas_kernels.zigzag`, which balances causal work; T and S then divide by twice the
+        sequence axis's size).
 
     Returns:
       The output, shaped and typed as the query (accumulation is float32), and with
@@ -89,8 +103,9 @@ def dot_product_attention(
     """
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     batched = checks.check_arrays(query, key, value)
-    placement = _sharding.find("query", query, sharding, sequence_dim=1, feature_dims=(3,),
-                               batched=batched)
+    placement = _sharding.find("query", query, sharding, feature_dims=(3,), batched=batched)
+    context.strategy(context_parallelism)  # checked before anything is traced
+    _sharding.check_order(sequence_order)
     if not batched:
         query, key, value = (x[None] for x in (query, key, value))
     batch, t, n, h = query.shape
@@ -112,20 +127,20 @@ def dot_product_attention(
     if implementation == "pallas" and h > MAX_HEAD_DIM:
         raise ValueError(f"the Pallas kernels support head dims up to {MAX_HEAD_DIM}, got {h}")
 
-    def compute(query, key, value, q_seg, kv_seg, q_len, kv_len):
-        """(out, lse) of checked, batched arrays (a shard's, on a mesh)."""
+    options = dict(scale=scale, band=band, logits_soft_cap=logits_soft_cap,
+                   interpret=interpret)
+
+    def compute(query, key, value, q_seg, kv_seg, q_len, kv_len, shift=None):
+        """(out, lse) of checked, batched arrays (a shard's, on a mesh); `shift` as in
+        `masking` (context parallelism)."""
         if implementation == "xla":
-            return reference.dot_product_attention(
-                query, key, value, scale=scale, is_causal=is_causal,
-                local_window_size=local_window_size, q_segment_ids=q_seg,
+            return reference.banded_attention(
+                query, key, value, scale=scale, band=band, q_segment_ids=q_seg,
                 kv_segment_ids=kv_seg, query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
-                logits_soft_cap=logits_soft_cap, return_residual=True,
+                logits_soft_cap=logits_soft_cap, return_residual=True, shift=shift,
             )
-        return _pallas_attention(
-            query, key, value, None if q_seg is None else (q_seg, kv_seg), q_len, kv_len,
-            block_sizes, scale=scale, band=band, logits_soft_cap=logits_soft_cap,
-            interpret=interpret,
-        )
+        return _pallas_attention(query, key, value, q_seg, kv_seg, q_len, kv_len, shift,
+                                 block_sizes, **options)
 
     arrays = (query, key, value, *((None, None) if segments is None else segments), q_len,
               kv_len)
@@ -135,11 +150,20 @@ def dot_product_attention(
         placement.check_divides("query", "the batch", batch, placement.batch)
         placement.check_divides("query", "the heads", n, placement.heads)
         placement.check_divides("key", "the key/value heads", key.shape[2], placement.heads)
-        heads = P(placement.batch, None, placement.heads, None)
-        rows, lengths = P(placement.batch, None), P(placement.batch)
-        out, lse = _sharding.run(placement, compute, arrays,
-                                 (heads, heads, heads, rows, rows, lengths, lengths),
-                                 (heads, P(placement.batch, None, placement.heads)))
+        local = compute
+        if placement.sequence is not None:
+            placement.check_sequence("query", t, sequence_order)
+            placement.check_sequence("key", s, sequence_order)
+            parts = placement.size(placement.sequence)
+            gradients = None if implementation == "xla" else functools.partial(
+                _pallas_gradients, block_sizes=block_sizes, **options)
+            local = functools.partial(
+                context.strategy(context_parallelism), compute, gradients, placement.sequence,
+                parts, sequence_order)
+        spec = P(placement.batch, placement.sequence, placement.heads)
+        rows, lengths = P(placement.batch, placement.sequence), P(placement.batch)
+        out, lse = _sharding.run(placement, local, arrays,
+                                 (spec, spec, spec, rows, rows, lengths, lengths), (spec, spec))
     if not batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residual else out
@@ -156,13 +180,21 @@ class _Config:
     static: common.Static
     blocks: tuning.AttentionBlocks  # fitted to the call
     shape: tuple  # (B, T, S) before padding
+    padded: tuple  # (Tp, Sp, Dp): whole blocks and a power-of-two head dim
+
+    def pad(self, query, key, value, q_seg, kv_seg):
+        """The arrays padded to `padded` (zeros); None stays None."""
+        t_pad, s_pad, d_pad = self.padded
+        pad = _device.pad_end
+        return (pad(query, (None, t_pad, None, d_pad)), pad(key, (None, s_pad, None, d_pad)),
+                pad(value, (None, s_pad, None, d_pad)),
+                None if q_seg is None else pad(q_seg, (None, t_pad)),
+                None if kv_seg is None else pad(kv_seg, (None, s_pad)))
 
 
-def _pallas_attention(
-    query, key, value, segments, q_len, kv_len, block_sizes, *, scale, band, logits_soft_cap,
-    interpret,
-):
-    """Pads to whole blocks and a power-of-two head dim, runs the kernels, slices back."""
+def _configure(query, key, has_segments, q_len, kv_len, shift, block_sizes, *, scale, band,
+               logits_soft_cap, interpret):
+    """The `_Config` of a call: the tuned blocks fitted to its shapes and what may be masked."""
     batch, t, n, h = query.shape
     s, k_heads = key.shape[1], key.shape[2]
     d_pad = tuning.padded_head_dim(h)
@@ -178,36 +210,62 @@ def _pallas_attention(
         band=band,
         logits_soft_cap=logits_soft_cap,
         groups=n // k_heads,
-        has_segments=segments is not None,
+        has_segments=has_segments,
         may_mask=(
-            band != (None, None) or segments is not None or q_len is not None
+            band != (None, None) or has_segments or q_len is not None
             or kv_len is not None or t_pad != t or s_pad != s
         ),
         interpret=interpret,
         has_q_len=q_len is not None,
         has_kv_len=kv_len is not None,
+        shifted=shift is not None and band != (None, None),
     )
-    config = _Config(static, blocks, (batch, t, s))
+    return _Config(static, blocks, (batch, t, s), (t_pad, s_pad, d_pad))
 
-    pad = _device.pad_end
-    q = pad(query, (None, t_pad, None, d_pad))
-    k = pad(key, (None, s_pad, None, d_pad))
-    v = pad(value, (None, s_pad, None, d_pad))
-    q_seg, kv_seg = (None, None) if segments is None else (
-        pad(segments[0], (None, t_pad)), pad(segments[1], (None, s_pad))
-    )
-    out, lse = _flash_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len)
+
+def _pallas_attention(query, key, value, q_seg, kv_seg, q_len, kv_len, shift, block_sizes,
+                      **options):
+    """(out (B, T, N, H), lse (B, T, N)): pads to whole blocks and a power-of-two head dim,
+    runs the kernels, slices back. `shift`: None, or the band's int32 scalar shift
+    (`masking`) when the query and key are pieces of longer sequences (context parallelism);
+    `options`: `_configure`'s keywords."""
+    config = _configure(query, key, q_seg is not None, q_len, kv_len, shift, block_sizes,
+                        **options)
+    shift = jnp.asarray(shift, jnp.int32) if config.static.shifted else None
+    out, lse = _flash_attention(config, *config.pad(query, key, value, q_seg, kv_seg), q_len,
+                                kv_len, shift)
+    t, h = query.shape[1], query.shape[3]
     return out[:, :t, :, :h], jnp.swapaxes(lse[:, :, :t], 1, 2)
 
 
-def _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, kernel):
+def _pallas_gradients(query, key, value, q_seg, kv_seg, q_len, kv_len, shift, dout, lse, delta,
+                      block_sizes, **options):
+    """(dq, dk, dv) of the loss whose output cotangent is dout (B, T, N, H), for the pairs of
+    this call, from the backward kernels; lse (B, T, N) and delta = rowsum(dO * O) - dlse
+    (B, T, N) are those of the whole softmax rows (context parallelism: every key, not only
+    this call's). Arguments otherwise as in `_pallas_attention`."""
+    config = _configure(query, key, q_seg is not None, q_len, kv_len, shift, block_sizes,
+                        **options)
+    shift = jnp.asarray(shift, jnp.int32) if config.static.shifted else None
+    t_pad, _, d_pad = config.padded
+    q, k, v, q_seg, kv_seg = config.pad(query, key, value, q_seg, kv_seg)
+    rows = [_device.pad_end(jnp.swapaxes(x, 1, 2), (None, None, t_pad)) for x in (lse, delta)]
+    dout = _device.pad_end(dout.astype(q.dtype), (None, t_pad, None, d_pad))
+    dq, dk, dv = _gradient_kernels(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift, dout,
+                                   *rows)
+    t, s, h = query.shape[1], key.shape[1], query.shape[3]
+    return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
+
+
+def _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, shift, kernel):
     """`masking.block_table` of one kernel: "forward"/"dq" (query blocks), "dkv" (key blocks).
 
-    Without segments or lengths the table depends on shapes alone; it is then computed on the
-    host with numpy and enters the program as a constant, costing no launch per call.
+    Without segments, lengths or shift the table depends on shapes alone; it is then computed
+    on the host with numpy and enters the program as a constant, costing no launch per call.
     """
     batch, t, s = config.shape
-    xp = jnp if q_seg is not None or q_len is not None or kv_len is not None else np
+    traced = (q_seg, q_len, kv_len, shift)
+    xp = np if all(x is None for x in traced) else jnp
     q_len = xp.full((batch,), t, np.int32) if q_len is None else q_len
     kv_len = xp.full((batch,), s, np.int32) if kv_len is None else kv_len
     blocks = getattr(config.blocks, kernel)
@@ -216,25 +274,26 @@ def _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, kernel):
             num_row_blocks=s_pad // blocks.block_k, row_block=blocks.block_k,
             num_col_blocks=t_pad // blocks.block_q, col_block=blocks.block_q,
             band=masking.transpose_band(config.static.band), row_len=kv_len, col_len=q_len,
-            row_segments=kv_seg, col_segments=q_seg, xp=xp,
+            row_segments=kv_seg, col_segments=q_seg, shift=None if shift is None else -shift,
+            xp=xp,
         )
     return masking.block_table(
         num_row_blocks=t_pad // blocks.block_q, row_block=blocks.block_q,
         num_col_blocks=s_pad // blocks.block_k, col_block=blocks.block_k,
         band=config.static.band, row_len=q_len, col_len=kv_len,
-        row_segments=q_seg, col_segments=kv_seg, xp=xp,
+        row_segments=q_seg, col_segments=kv_seg, shift=shift, xp=xp,
     )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
+def _flash_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift):
     """(out (B, Tp, N, Dp), lse (B, N, Tp)) of padded inputs; see `forward.forward`."""
-    return _kernel_forward(config, q, k, v, q_seg, kv_seg, q_len, kv_len)
+    return _kernel_forward(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift)
 
 
-def _flash_attention_fwd(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
-    out, lse = _kernel_forward(config, q, k, v, q_seg, kv_seg, q_len, kv_len)
-    return (out, lse), (q, k, v, q_seg, kv_seg, q_len, kv_len, out, lse)
+def _flash_attention_fwd(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift):
+    out, lse = _kernel_forward(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift)
+    return (out, lse), (q, k, v, q_seg, kv_seg, q_len, kv_len, shift, out, lse)
 
 
 # Second order (`_derivatives`): the forward rule and the backward keep their kernel values and
@@ -243,15 +302,16 @@ def _flash_attention_fwd(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
 # them, so every total derivative is still exact.
 
 
-def _forward_kernel(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
+def _forward_kernel(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift):
     """(out, lse) of `_flash_attention` from the forward kernel."""
-    table = _tables(config, q.shape[1], k.shape[1], q_seg, kv_seg, q_len, kv_len, "forward")
+    table = _tables(config, q.shape[1], k.shape[1], q_seg, kv_seg, q_len, kv_len, shift,
+                    "forward")
     return forward.forward(
         q, k, v, q_seg, kv_seg, table, static=config.static, blocks=config.blocks.forward
     )
 
 
-def _reference_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
+def _reference_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift):
     """What `_flash_attention` computes, by `reference.banded_attention` on the padded
     arguments, whose padding rows lie past the lengths (as in the kernels' tables)."""
     batch, t, s = config.shape
@@ -261,7 +321,7 @@ def _reference_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len):
         kv_segment_ids=kv_seg,
         query_seq_lengths=jnp.full((batch,), t, jnp.int32) if q_len is None else q_len,
         key_value_seq_lengths=jnp.full((batch,), s, jnp.int32) if kv_len is None else kv_len,
-        logits_soft_cap=static.logits_soft_cap, return_residual=True,
+        logits_soft_cap=static.logits_soft_cap, return_residual=True, shift=shift,
     )
     return out, jnp.swapaxes(lse, 1, 2)
 
@@ -272,29 +332,34 @@ def _flash_attention_bwd(config, residuals, cotangents):
 
 def _backward_kernels(config, residuals, cotangents):
     """The gradients of `_flash_attention`'s q, k, v, from the backward kernels."""
-    q, k, v, q_seg, kv_seg, q_len, kv_len, out, lse = residuals
+    q, k, v, q_seg, kv_seg, q_len, kv_len, shift, out, lse = residuals
     dout, dlse = cotangents
+    delta = jnp.swapaxes(common.softmax_delta(out, dout), 1, 2) - dlse  # (B, N, Tp)
+    return (*_gradient_kernels(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift,
+                               dout.astype(q.dtype), lse, delta), None, None, None, None, None)
+
+
+def _gradient_kernels(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift, dout, lse, delta):
+    """(dq, dk, dv) of padded arrays from the dK/dV and dQ kernels; lse and delta (B, N, Tp)."""
     t_pad, s_pad = q.shape[1], k.shape[1]
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    delta = jnp.swapaxes(delta, 1, 2) - dlse  # (B, N, Tp)
-    arrays = (q, k, v, dout.astype(q.dtype), lse, delta, q_seg, kv_seg)
+    arrays = (q, k, v, dout, lse, delta, q_seg, kv_seg)
     dk, dv = backward.dkv(
-        *arrays, _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, "dkv"),
+        *arrays, _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, shift, "dkv"),
         static=config.static, blocks=config.blocks.dkv,
     )
     dq = backward.dq(
-        *arrays, _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, "dq"),
+        *arrays, _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, shift, "dq"),
         static=config.static, blocks=config.blocks.dq,
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv
 
 
 def _reference_gradients(config, residuals, cotangents):
     """`_backward_kernels` by differentiating `_reference_attention`."""
-    q, k, v, q_seg, kv_seg, q_len, kv_len, _, _ = residuals
+    q, k, v, q_seg, kv_seg, q_len, kv_len, shift, _, _ = residuals
     _, vjp = jax.vjp(lambda q, k, v: _reference_attention(config, q, k, v, q_seg, kv_seg,
-                                                          q_len, kv_len), q, k, v)
-    return (*vjp(cotangents), None, None, None, None)
+                                                          q_len, kv_len, shift), q, k, v)
+    return (*vjp(cotangents), None, None, None, None, None)
 
 
 _kernel_forward = _derivatives.reference_tangents(_forward_kernel, _reference_attention)

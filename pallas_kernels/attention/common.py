@@ -20,7 +20,8 @@ class Static:
     `band` is the visible diagonal band of ``j - i`` (see `masking`); `groups` = N // K query
     heads per key/value head; `has_segments` says whether segment-id arrays are passed;
     `has_q_len` / `has_kv_len` whether query / key-value lengths are (then the masked tiles
-    zero the rows past them: `zero_past`).
+    zero the rows past them: `zero_past`); `shifted` whether the band is shifted by the table's
+    `masking.SHIFT` column (context parallelism: local positions, global band).
     """
 
     scale: float
@@ -32,11 +33,18 @@ class Static:
     interpret: bool
     has_q_len: bool = False
     has_kv_len: bool = False
+    shifted: bool = False
 
     @property
     def has_lengths(self):
         """Rows past a length may hold anything: the masked tiles then select dlogits too."""
         return self.has_q_len or self.has_kv_len
+
+
+def softmax_delta(out, dout):
+    """rowsum(dO * O) over the head dim, float32: (B, T, N) of (B, T, N, H) arrays (the dlse
+    term is the caller's)."""
+    return jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
 
 
 def base2_logits(scores, static: Static):
@@ -62,6 +70,7 @@ def block_mask(table_ref, row_start, rows, col_start, cols, static, band, row_se
         row_len=table_ref[masking.ROW_LEN], col_len=table_ref[masking.COL_LEN],
         row_segments=None if row_seg is None else row_seg[:, None],
         col_segments=None if col_seg is None else col_seg[None, :],
+        shift=table_ref[masking.SHIFT] if static.shifted else None,
     )
 
 

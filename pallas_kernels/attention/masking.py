@@ -3,8 +3,11 @@
 Query i of batch row b sees key j when all of these hold:
 
 * ``i < query_seq_lengths[b]`` and ``j < key_value_seq_lengths[b]``;
-* ``lo <= j - i <= hi`` for the diagonal band ``(lo, hi)`` built from ``is_causal`` (hi <= 0) and
-  ``local_window_size = (left, right)`` (lo = -left, hi = right); ``None`` leaves a side open;
+* ``lo <= j - i + shift <= hi`` for the diagonal band ``(lo, hi)`` built from ``is_causal``
+  (hi <= 0) and ``local_window_size = (left, right)`` (lo = -left, hi = right); ``None`` leaves a
+  side open. ``shift`` is 0 unless the queries and keys are pieces of longer sequences (context
+  parallelism): then it is the keys' first global position minus the queries', a traced int32
+  scalar, so that the band holds between global positions while i and j stay local;
 * ``q_segment_ids[b, i] == kv_segment_ids[b, j]``.
 
 The same rule, with rows and columns swapped and the band negated (`transpose_band`), gives the
@@ -16,7 +19,7 @@ import jax.numpy as jnp
 from pallas_kernels import _device
 
 # Columns of the per-block table that `block_table` builds for the kernels.
-LO, HI, FULL_LO, FULL_HI, ROW_LEN, COL_LEN = range(6)
+LO, HI, FULL_LO, FULL_HI, ROW_LEN, COL_LEN, SHIFT = range(7)
 TABLE_WIDTH = 8  # a power of two, as Triton requires of every in-kernel array
 
 _OPEN = 1 << 30  # stands in for an unbounded band side in integer block arithmetic
@@ -38,19 +41,23 @@ def band(is_causal, local_window_size):
 
 
 def transpose_band(band_):
-    """The band of ``i - j`` (rows are keys, columns are queries)."""
+    """The band of ``i - j`` (rows are keys, columns are queries); its shift is the negated
+    shift."""
     lo, hi = band_
     return (None if hi is None else -hi, None if lo is None else -lo)
 
 
-def visible(rows, cols, *, band, row_len, col_len, row_segments=None, col_segments=None):
+def visible(rows, cols, *, band, row_len, col_len, row_segments=None, col_segments=None,
+            shift=None):
     """Elementwise visibility for broadcastable row and column positions (int32 arrays)."""
     mask = (rows < row_len) & (cols < col_len)
     lo, hi = band
-    if lo is not None:
-        mask &= cols - rows >= lo
-    if hi is not None:
-        mask &= cols - rows <= hi
+    if band != (None, None):
+        diagonal = cols - rows if shift is None else cols - rows + shift
+        if lo is not None:
+            mask &= diagonal >= lo
+        if hi is not None:
+            mask &= diagonal <= hi
     if row_segments is not None:
         mask &= row_segments == col_segments
     return mask
@@ -58,7 +65,7 @@ def visible(rows, cols, *, band, row_len, col_len, row_segments=None, col_segmen
 
 def dense_mask(
     t, s, *, band, q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None,
-    key_value_seq_lengths=None,
+    key_value_seq_lengths=None, shift=None,
 ):
     """The (B, T, S) boolean visibility matrix (B is 1 when nothing depends on the batch row)."""
     q_len = t if query_seq_lengths is None else query_seq_lengths[:, None, None]
@@ -72,13 +79,14 @@ def dense_mask(
         col_len=kv_len,
         row_segments=q_segment_ids[:, :, None] if has_segments else None,
         col_segments=kv_segment_ids[:, None, :] if has_segments else None,
+        shift=shift,
     )
     return mask if mask.ndim == 3 else mask[None]
 
 
 def block_table(
     *, num_row_blocks, row_block, num_col_blocks, col_block, band, row_len, col_len,
-    row_segments=None, col_segments=None, xp=jnp,
+    row_segments=None, col_segments=None, shift=None, xp=jnp,
 ):
     """Per row block, the column blocks a kernel must visit, (B, num_row_blocks, TABLE_WIDTH) int32.
 
@@ -86,15 +94,19 @@ def block_table(
     ``[FULL_LO, FULL_HI)`` are blocks where every pair is visible, so the kernel skips the mask
     there (empty, at ``HI``, when segments are given). ``ROW_LEN``/``COL_LEN`` repeat the lengths
     for the in-kernel mask. ``row_len``/``col_len`` are (B,) int32; segments (B, rows)/(B, cols)
-    int32 padded to whole blocks. Segment ranges are conservative (they are exact for sorted ids,
-    as in packed documents); the in-kernel mask keeps any other order correct. With `xp=numpy`
-    and numpy inputs the table is computed on the host (a constant of the traced program).
+    int32 padded to whole blocks; `shift` None or the band's int32 scalar shift (then also in
+    column ``SHIFT`` for the in-kernel mask). Segment ranges are conservative (they are exact
+    for sorted ids, as in packed documents); the in-kernel mask keeps any other order correct.
+    With `xp=numpy` and numpy inputs the table is computed on the host (a constant of the
+    traced program).
     """
     row_len = row_len[:, None]
     col_len = col_len[:, None]
     row_start = xp.arange(num_row_blocks, dtype=xp.int32)[None, :] * row_block
     valid_end = xp.minimum(row_start + row_block, row_len)  # rows past row_len see nothing
     lo, hi = band
+    if shift is not None:  # the band of local positions
+        lo, hi = (None if side is None else side - shift for side in band)
     first = xp.maximum(row_start + (-_OPEN if lo is None else lo), 0)
     last = xp.minimum(valid_end - 1 + (_OPEN if hi is None else hi), col_len - 1)  # inclusive
     if row_segments is not None:
@@ -131,6 +143,8 @@ def block_table(
 
     shape = lo_block.shape
     columns = [lo_block, hi_block, full_lo, full_hi, row_len, col_len]
+    if shift is not None:
+        columns.append(shift)
     columns = [xp.broadcast_to(c, shape).astype(xp.int32) for c in columns]
     columns += [xp.zeros(shape, xp.int32)] * (TABLE_WIDTH - len(columns))
     return xp.stack(columns, axis=-1)

@@ -52,9 +52,10 @@ def dot_product_attention(
 def banded_attention(
     query, key, value, *, scale, band, q_segment_ids=None, kv_segment_ids=None,
     query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None,
-    return_residual=False, upcast=True,
+    return_residual=False, upcast=True, shift=None,
 ):
-    """`dot_product_attention` with the causal mask and window given as `masking.band`'s band.
+    """`dot_product_attention` with the causal mask and window given as `masking.band`'s band,
+    shifted by `shift` (see `masking`: the keys' first global position minus the queries').
 
     Queries past `query_seq_lengths` and keys past `key_value_seq_lengths` are selected away
     before any product (as the kernels do), so whatever they hold, even NaN, never reaches an
@@ -81,6 +82,7 @@ def banded_attention(
         kv_segment_ids=kv_segment_ids,
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
+        shift=shift,
     )[:, None, None]  # (B, 1, 1, T, S)
     logits = jnp.where(visible, logits, -jnp.inf)
     row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))

@@ -1,7 +1,8 @@
 """`mamba_chunk_scan_combined`: Mamba2's SSD with mamba_ssm's names, shapes and meaning.
 
 A call flows: argument checks (`checks`, before anything is traced) -> implementation choice
-("xla" runs the chunked jnp reference, "pallas" the kernels) -> the tuned blocks fitted to the
+("xla" runs the chunked jnp reference, "pallas" the kernels) -> on a mesh, per shard
+(`_sharding`; a sharded sequence through `context`) -> the tuned blocks fitted to the
 call (`tuning`), the cut of the scan kernels' walks (`schedule.plan`) and padding in XLA ->
 `_ssd`, a `jax.custom_vjp` over the kernels: its forward runs the dt preprocessing kernel
 (softplus, bias, clamp, in-chunk log2 cumsum: `preprocess`) and the forward scan (`forward`),
@@ -23,6 +24,7 @@ from pallas_kernels.mamba2 import (
     backward,
     checks,
     common,
+    context,
     forward,
     preprocess,
     reference,
@@ -77,7 +79,10 @@ def mamba_chunk_scan_combined(
         `PartitionSpec` (on the mesh of `jax.set_mesh`), for classic meshes; on meshes with
         Explicit axes (`jax.make_mesh`) x's own sharding is used. Batch and heads may be
         sharded (dt, A, D, dt_bias, initial_states follow the heads; B and C's groups too,
-        unless G is 1); the kernels then run per shard under `jax.shard_map`.
+        unless G is 1); the kernels then run per shard under `jax.shard_map`. A sharded
+        sequence (contiguous pieces; dt, B, C, z and seq_idx sharded as x) is context
+        parallelism: the devices pass states along (`context`), gathering only state-sized
+        arrays; final_states are then the same on every device of the sequence axis.
 
     Returns:
       y (b, T, H, P) in x's dtype, or (y, final_states) with `return_final_states`.
@@ -90,7 +95,7 @@ def mamba_chunk_scan_combined(
     return_final_states = _dispatch.check_bool("return_final_states", return_final_states)
     dt_limit = checks.check_dt_limit(dt_limit)
     implementation, interpret = _dispatch.choose(implementation, interpret)
-    placement = _sharding.find("x", x, sharding, sequence_dim=1, feature_dims=(3,))
+    placement = _sharding.find("x", x, sharding, feature_dims=(3,))
 
     def compute(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx):
         """(y, final) of checked arrays (a shard's, on a mesh)."""
@@ -110,25 +115,31 @@ def mamba_chunk_scan_combined(
     if placement is None:
         y, final = compute(*arrays)
     else:
-        y, final = _sharding.run(placement, compute, arrays, *_specs(placement, x, B, D))
+        local = compute
+        if placement.sequence is not None:
+            placement.check_sequence("x", x.shape[1], "contiguous")
+            local = functools.partial(
+                context.state_passing, compute, placement.sequence,
+                placement.size(placement.sequence), dt_softplus=dt_softplus, dt_limit=dt_limit)
+        y, final = _sharding.run(placement, local, arrays, *_specs(placement, x, B, D))
     return (y, final) if return_final_states else y
 
 
 def _specs(placement, x, B, D):
     """(in_specs, out_specs) of `compute` under `placement`, after checking that the batch,
     the heads and B's groups divide over their mesh axes."""
-    rows, heads = placement.batch, placement.heads
+    rows, sequence, heads = placement.batch, placement.sequence, placement.heads
     placement.check_divides("x", "the batch", x.shape[0], rows)
     placement.check_divides("x", "the heads", x.shape[2], heads)
     groups = B.shape[2]
     if groups > 1:  # each shard's heads must find their groups in its shard of B and C
         placement.check_divides("B", "the groups", groups, heads)
-    tokens = P(rows, None, heads, None)
-    grouped = P(rows, None, heads if groups > 1 else None, None)
+    tokens = P(rows, sequence, heads, None)
+    grouped = P(rows, sequence, heads if groups > 1 else None, None)
     states = P(rows, heads, None, None)
     skip = None if D is None else P(heads) if D.ndim == 1 else P(heads, None)
-    in_specs = (tokens, P(rows, None, heads), P(heads), grouped, grouped, skip, tokens,
-                P(heads), states, P(rows, None))
+    in_specs = (tokens, P(rows, sequence, heads), P(heads), grouped, grouped, skip, tokens,
+                P(heads), states, P(rows, sequence))
     return in_specs, (tokens, states)
 
 

@@ -287,6 +287,6 @@ def test_bad_input_raises_before_tracing(name, kwargs, error, needle, monkeypatc
         raise AssertionError("a kernel was traced")
 
     monkeypatch.setattr(api, "_pallas_attention", no_kernel)
-    monkeypatch.setattr(api.reference, "dot_product_attention", no_kernel)
+    monkeypatch.setattr(api.reference, "banded_attention", no_kernel)
     with pytest.raises(error, match=needle):
         pallas_kernels.dot_product_attention(**kwargs)

@@ -1,6 +1,6 @@
 """Attention's forward and backward lower to Triton for GPUs that are not attached (NVIDIA H200,
-AMD gfx942): head dims 128 and 80 with each mask feature, 64 and 256 at T 4096 and 77
-(`lowering_cases`)."""
+AMD gfx942): head dims 128 and 80 with each mask feature, 64 and 256 at T 4096 and 77, 128 as
+a context-parallel shard (`lowering_cases`)."""
 
 import pytest
 from lowering_cases import CASES, TARGETS, TRITON_CALL, lower

@@ -76,8 +76,7 @@ def _bad_values():
                          ids=[c[0] for c in _bad_values()])
 def test_bad_values_raise_before_tracing(name, kwargs, error, needle, monkeypatch):
     monkeypatch.setattr(api, "_pallas_attention", lambda *a, **k: pytest.fail("traced"))
-    monkeypatch.setattr(api.reference, "dot_product_attention",
-                        lambda *a, **k: pytest.fail("traced"))
+    monkeypatch.setattr(api.reference, "banded_attention", lambda *a, **k: pytest.fail("traced"))
     with pytest.raises(error, match=needle):
         pallas_kernels.dot_product_attention(**kwargs)
 

@@ -8,15 +8,14 @@ Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (`.ci/run` does).
 
 import functools
 import re
-import zlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from attention_cases import make_inputs as attention_inputs
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from mesh_cases import mesh, seed
 from numerics import rel_error
 from ssd_cases import DIFFERENTIABLE
 from ssd_cases import make_inputs as ssd_inputs
@@ -45,15 +44,7 @@ def _combinations(cases):
 
 
 def _mesh(name, explicit):
-    shape, axes = MESHES[name]
-    if explicit:
-        return jax.make_mesh(shape, axes, axis_types=(AxisType.Explicit,) * len(axes))
-    devices = np.array(jax.devices()[:np.prod(shape)]).reshape(shape)
-    return jax.sharding.Mesh(devices, axes, axis_types=(AxisType.Auto,) * len(axes))
-
-
-def _seed(*parts):
-    return zlib.crc32("-".join(map(str, parts)).encode()) % 1000
+    return mesh(*MESHES[name], explicit)
 
 
 def _sharded(fn, mesh, spec, explicit, lead, rest):
@@ -102,7 +93,7 @@ def test_attention_matches_unsharded(case, sharding, explicit):
     name, kw, mask = case
     _, mesh_name, spec = sharding
     k_heads = max(4, HEADS_AXIS_SIZE[sharding[0]])  # GQA 2:1 where the heads axis allows
-    args, masks = attention_inputs(_seed(name, sharding[0]), b=8, t=32, n=8, k=k_heads,
+    args, masks = attention_inputs(seed(name, sharding[0]), b=8, t=32, n=8, k=k_heads,
                                    h=16, mask=mask)
     q, k, v = args[:3]
 
@@ -127,7 +118,7 @@ def test_ssd_matches_unsharded(case, sharding, explicit):
     _, mesh_name, spec = sharding
     if shape["g"] > 1:  # the groups shard with the heads: as many as the heads axis has devices
         shape = dict(shape, g=max(shape["g"], HEADS_AXIS_SIZE[sharding[0]]))
-    inputs = ssd_inputs(_seed(name, sharding[0]), b=8, t=32, h=8, p=8, n=16, **shape)
+    inputs = ssd_inputs(seed(name, sharding[0]), b=8, t=32, h=8, p=8, n=16, **shape)
     seq_idx = inputs.pop("seq_idx", None)
     rest_names = [n for n in DIFFERENTIABLE if n != "x" and inputs.get(n) is not None]
 
@@ -214,9 +205,7 @@ def _attention_call(q, k, spec, mesh):
 
 
 @pytest.mark.parametrize("spec, k_heads, needle", [
-    (P(None, "data"), 8, "query's sequence axis is sharded over mesh axis 'data': context "
-                         "parallelism is not supported yet"),
-    (P(None, None, None, "data"), 8, "query's head dim axis is sharded over mesh axis 'data'"),
+    (P(None, None, None, "data"), 8, "query's head dim is sharded over mesh axis 'data'"),
     (P(None, None, "data"), 4, r"key: the key/value heads \(4\) does not divide over mesh axis "
                                "'data' of size 8"),
 ])
