@@ -12,7 +12,10 @@ run needs is here and small enough to read in one sitting:
 - a progress bar with the loss and tokens/s (and model FLOP utilisation on a known GPU), an eval
   loss every `--eval-every` steps, orbax checkpoints every `--checkpoint-every` steps (parameters,
   optimizer state, step and data RNG state) and exact `--resume`;
-- at the end, text sampled through the model's decode caches (`HybridLM.generate`).
+- at the end, text sampled through the model's decode caches (`HybridLM.generate`);
+- every local device: data parallel by default, `--mesh data=2,context=4` for context
+  parallelism too (the model follows its tokens' sharding; parameters are replicated). A
+  checkpoint restores onto any mesh.
 
 With the package installed (`pip install -e .`, see the README), run from the repository root:
 
@@ -20,6 +23,7 @@ With the package installed (`pip install -e .`, see the README), run from the re
     python examples/train_hybrid_lm.py --preset small  # on a GPU: Pallas kernels, bf16, MFU
     python examples/train_hybrid_lm.py --resume        # continue an interrupted run
     python examples/train_hybrid_lm.py --overwrite     # start over, deleting the old checkpoints
+    python examples/train_hybrid_lm.py --mesh data=2,context=4  # 8 devices, sequence over 4
 
 The default run (tiny preset, 1000 steps of 16 x 128 bytes) takes the held-out loss from
 ln 256 = 5.55 to about 1.6 nats per byte. The small preset (23M parameters) is sized for a GPU;
@@ -40,6 +44,7 @@ step), `loss.png`, `samples.txt` and `checkpoints/`. A run never loses another's
 """
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -58,6 +63,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from flax_layers import HybridLM, HybridLMConfig
@@ -134,6 +141,21 @@ def _fraction(text: str) -> float:
     return _number(text, float, "a number between 0 and 1 (exclusive)", lambda v: 0 < v < 1)
 
 
+MESH_AXES = ("data", "context")
+
+
+def _mesh_axes(text: str) -> dict[str, int]:
+    """"data=2,context=4" -> {"data": 2, "context": 4} (axes of MESH_AXES, sizes >= 1)."""
+    axes = {}
+    for item in text.split(","):
+        name, sep, size = item.partition("=")
+        if not sep or name.strip() not in MESH_AXES or name.strip() in axes:
+            raise argparse.ArgumentTypeError(
+                f"must be AXIS=N pairs with AXIS one of {MESH_AXES}, each once, got {text!r}")
+        axes[name.strip()] = _positive_int(size)
+    return axes
+
+
 class _Parser(argparse.ArgumentParser):
     """Reports a bad flag in one line ("error: ...; see --help") and exits with status 2."""
 
@@ -167,6 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "(repeatable)")
     model.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                        help="compute dtype (parameters stay float32); auto: bfloat16 on a GPU")
+    devices = parser.add_argument_group("devices")
+    devices.add_argument("--mesh", type=_mesh_axes, default=None, metavar="AXIS=N[,AXIS=N]",
+                         help="the device mesh: data (the batch) and context (the sequence) "
+                              "axes, e.g. data=2,context=4 (default: data over every local "
+                              "device); parameters are replicated")
+    devices.add_argument("--context-parallelism", choices=("all_gather", "ring"),
+                         default="all_gather",
+                         help="how attention's devices share keys and values on a context "
+                              "axis")
     data = parser.add_argument_group("data")
     data.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="a text file")
     data.add_argument("--eval-fraction", type=_fraction, default=0.1,
@@ -245,7 +276,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 # Config fields that --override may change (the vocabulary, dtype and implementation have flags).
 OVERRIDABLE = {f.name: type(f.default) for f in dataclasses.fields(HybridLMConfig)
-               if f.name not in ("vocab_size", "dtype", "implementation")}
+               if f.name not in ("vocab_size", "dtype", "implementation", "context_parallelism")}
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, int | float]:
@@ -352,7 +383,8 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
 
 
 def make_config(preset: str, implementation: str = "auto", dtype: str = "auto",
-                overrides: dict[str, Any] | None = None) -> HybridLMConfig:
+                overrides: dict[str, Any] | None = None,
+                context_parallelism: str = "all_gather") -> HybridLMConfig:
     """The preset with a 256-byte vocabulary, the implementation (auto -> None: kernels on a GPU,
     the reference elsewhere), the compute dtype (auto -> bfloat16 on a GPU, else float32) and
     any field overrides. `HybridLMConfig` may reject the fields (ValueError); the model rejects
@@ -363,7 +395,8 @@ def make_config(preset: str, implementation: str = "auto", dtype: str = "auto",
     return dataclasses.replace(
         config, vocab_size=VOCAB_SIZE,
         implementation=None if implementation == "auto" else implementation,
-        dtype=jnp.bfloat16 if dtype == "bfloat16" else None)
+        dtype=jnp.bfloat16 if dtype == "bfloat16" else None,
+        context_parallelism=context_parallelism)
 
 
 def check_model(config: HybridLMConfig, seq_len: int) -> None:
@@ -381,7 +414,8 @@ def model_config(args: argparse.Namespace) -> HybridLMConfig:
     """`make_config` for the flags, checked by `check_model`. Raises UsageError, naming the
     flags, for a configuration that the config or the model rejects."""
     try:
-        config = make_config(args.preset, args.implementation, args.dtype, args.override)
+        config = make_config(args.preset, args.implementation, args.dtype, args.override,
+                             args.context_parallelism)
         check_model(config, args.seq_len)
     except (ValueError, TypeError, ZeroDivisionError) as exc:
         flags = " ".join([f"--preset {args.preset}",
@@ -406,27 +440,34 @@ def make_optimizer(lr: float, warmup_steps: int, schedule_steps: int, weight_dec
     return tx, schedule
 
 
-def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array) -> jax.Array:
-    """Mean cross-entropy (nats per byte) of predicting batch[:, 1:] from batch[:, :-1]."""
+def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
+                    tokens: NamedSharding | None = None) -> jax.Array:
+    """Mean cross-entropy (nats per byte) of predicting batch[:, 1:] from batch[:, :-1], both
+    placed by `tokens` on a mesh (the model's activations follow them)."""
     model = nnx.merge(graphdef, params)
-    logits = model(batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    if tokens is not None:
+        inputs, labels = (jax.sharding.reshard(x, tokens) for x in (inputs, labels))
+    logits = model(inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
-    """(train_step, eval_step), jit-compiled.
+def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+               tokens: NamedSharding | None = None):
+    """(train_step, eval_step), jit-compiled; `tokens` as in `next_token_loss`.
 
     train_step(params, opt_state, batch) -> (params, opt_state, loss) donates params and
     optimizer state; eval_step(params, batch) -> loss.
     """
 
     def train_step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(next_token_loss, argnums=1)(graphdef, params, batch)
+        loss, grads = jax.value_and_grad(next_token_loss, argnums=1)(graphdef, params, batch,
+                                                                     tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     def eval_step(params, batch):
-        return next_token_loss(graphdef, params, batch)
+        return next_token_loss(graphdef, params, batch, tokens)
 
     return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
 
@@ -700,9 +741,30 @@ class Run:
     n_params: int
     flops_per_token: float  # `model_flops_per_token`
     device_kind: str
-    peak: float | None  # the device's peak FLOP/s (`_device.peak_flops`); None if unknown
+    peak: float | None  # the devices' peak FLOP/s (`_device.peak_flops`); None if unknown
+    mesh: jax.sharding.Mesh | None  # `make_run_mesh`; None on one device
     start_step: int = 0  # where this invocation starts: 0, or the checkpoint's step on --resume
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # metrics.jsonl's
+
+    @property
+    def token_sharding(self) -> NamedSharding | None:
+        """Where the model's (B, T) input tokens go: the batch over data, the sequence over
+        context (the activations follow them)."""
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, P("data" if "data" in self.mesh.shape else None,
+                                          "context" if "context" in self.mesh.shape else None))
+
+    @property
+    def batch_sharding(self) -> NamedSharding | None:
+        """Where a (B, T + 1) batch goes: its rows over data (T + 1 does not split)."""
+        return None if self.mesh is None else NamedSharding(self.mesh,
+                                                            P(self.token_sharding.spec[0]))
+
+    def place(self, batch: np.ndarray) -> jax.Array:
+        """A (B, T + 1) batch on the devices (`batch_sharding`)."""
+        return jnp.asarray(batch) if self.mesh is None else jax.device_put(batch,
+                                                                           self.batch_sharding)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -713,12 +775,42 @@ class Run:
         return self.workdir / "metrics.jsonl"
 
 
-def _optimizer(args: argparse.Namespace, graphdef: nnx.GraphDef, schedule_steps: int):
+def _optimizer(args: argparse.Namespace, graphdef: nnx.GraphDef, schedule_steps: int,
+               tokens: NamedSharding | None):
     """(tx, schedule, train_step, eval_step) for the flags and a schedule of `schedule_steps`
     (see `make_optimizer`, `make_steps`)."""
     tx, schedule = make_optimizer(args.lr, args.warmup_steps, schedule_steps, args.weight_decay,
                                   args.clip_norm)
-    return (tx, schedule, *make_steps(graphdef, tx))
+    return (tx, schedule, *make_steps(graphdef, tx, tokens))
+
+
+def make_run_mesh(axes: dict[str, int] | None, batch_size: int, seq_len: int,
+                  d_conv: int) -> jax.sharding.Mesh | None:
+    """The mesh of --mesh (default: data over every local device), with Explicit axes, or None
+    on one device. Raises UsageError when it needs more devices than there are, or the batch
+    or the sequence (at least the Mamba2 conv's d_conv - 1 tokens per device) does not split
+    over it."""
+    axes = axes or {"data": jax.device_count()}
+    size = math.prod(axes.values())
+    if size > jax.device_count():
+        raise UsageError(f"--mesh {axes} needs {size} devices; {jax.device_count()} are here")
+    if size == 1:
+        return None
+    data, context = axes.get("data", 1), axes.get("context", 1)
+    if batch_size % data:
+        raise UsageError(f"--batch-size {batch_size} does not split over {data} data devices "
+                         "(--mesh)")
+    if seq_len % context or seq_len // context < d_conv - 1:
+        raise UsageError(f"--seq-len {seq_len} does not split over {context} context devices "
+                         f"(--mesh) into pieces of at least {d_conv - 1} tokens")
+    return jax.make_mesh(tuple(axes.values()), tuple(axes),
+                         axis_types=(AxisType.Explicit,) * len(axes),
+                         devices=jax.devices()[:size])
+
+
+def on_mesh(run: "Run") -> contextlib.AbstractContextManager:
+    """`jax.set_mesh` of the run's mesh (nothing on one device)."""
+    return contextlib.nullcontext() if run.mesh is None else jax.set_mesh(run.mesh)
 
 
 def setup(args: argparse.Namespace) -> Run:
@@ -733,22 +825,31 @@ def setup(args: argparse.Namespace) -> Run:
     check_workdir(workdir)
     check_start(workdir / "checkpoints", args.resume, args.overwrite)
     run_config = run_settings(args, config, tokens)
+    mesh = make_run_mesh(args.mesh, args.batch_size, args.seq_len, config.d_conv)
 
     graphdef, params = nnx.split(HybridLM(config, rngs=nnx.Rngs(args.seed)))
-    tx, schedule, train_step, eval_step = _optimizer(args, graphdef, run_config["schedule_steps"])
+    if mesh is not None:  # replicated
+        params = jax.device_put(params, NamedSharding(mesh, P()))
     device_kind = jax.devices()[0].device_kind
-    return Run(
+    peak = _device.peak_flops(device_kind)
+    run = Run(
         args=args, workdir=workdir, tokens=tokens, train_tokens=train_tokens,
         eval_tokens=eval_tokens, config=config, run_config=run_config, graphdef=graphdef,
-        params=params, opt_state=tx.init(params), schedule=schedule, train_step=train_step,
-        eval_step=eval_step,
+        params=params, opt_state=None, schedule=None, train_step=None, eval_step=None,
         sampler=make_batches(train_tokens, args.batch_size, args.seq_len, args.seed),
-        eval_set=[jnp.asarray(b) for b in eval_batches(eval_tokens, args.batch_size,
-                                                       args.seq_len, args.eval_batches)],
-        n_params=count_params(params),
+        eval_set=[], n_params=count_params(params),
         flops_per_token=model_flops_per_token(config, params, args.seq_len),
-        device_kind=device_kind, peak=_device.peak_flops(device_kind),
+        device_kind=device_kind,
+        peak=peak and peak * (1 if mesh is None else mesh.size), mesh=mesh,
     )
+    tx, run.schedule, run.train_step, run.eval_step = _optimizer(
+        args, graphdef, run_config["schedule_steps"], run.token_sharding)
+    run.opt_state = tx.init(params)
+    if mesh is not None:  # its step counts too
+        run.opt_state = jax.device_put(run.opt_state, NamedSharding(mesh, P()))
+    run.eval_set = [run.place(b) for b in eval_batches(eval_tokens, args.batch_size,
+                                                        args.seq_len, args.eval_batches)]
+    return run
 
 
 def resume_run(run: Run) -> None:
@@ -790,7 +891,7 @@ def resume_run(run: Run) -> None:
         # optimizer state, so the state restored above fits the rebuilt optimizer.
         run.run_config["schedule_steps"] = meta["run_config"]["schedule_steps"]
         _, run.schedule, run.train_step, run.eval_step = _optimizer(
-            args, run.graphdef, run.run_config["schedule_steps"])
+            args, run.graphdef, run.run_config["schedule_steps"], run.token_sharding)
 
 
 def open_workdir(run: Run) -> None:
@@ -805,11 +906,21 @@ def open_workdir(run: Run) -> None:
     run.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in run.records))
 
 
+def _devices(run: Run) -> str:
+    """"NVIDIA H200" or, on a mesh, "8 x NVIDIA H200 (data=2, context=4)"."""
+    if run.mesh is None:
+        return run.device_kind
+    axes = ", ".join(f"{name}={size}" for name, size in run.mesh.shape.items())
+    return f"{run.mesh.size} x {run.device_kind} ({axes})"
+
+
 def compile_steps(run: Run) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """(train_step, eval_step) of the run compiled ahead of time for its batch shape, so that the
     first logged tokens/s is not the compile time."""
     t_compile = time.perf_counter()
-    batch_shape = jax.ShapeDtypeStruct((run.args.batch_size, run.args.seq_len + 1), jnp.int32)
+    batch_shape = jax.ShapeDtypeStruct(
+        (run.args.batch_size, run.args.seq_len + 1), jnp.int32,
+        sharding=run.batch_sharding)
     train_step = run.train_step.lower(run.params, run.opt_state, batch_shape).compile()
     eval_step = run.eval_step.lower(run.params, batch_shape).compile()
     print(f"compiled in {time.perf_counter() - t_compile:.1f} s", flush=True)
@@ -830,7 +941,7 @@ def train_loop(run: Run) -> dict[str, Any]:
     start_step, flops_per_token, peak = run.start_step, run.flops_per_token, run.peak
     impl = run.config.implementation or ("pallas" if _device.on_gpu() else "xla")
     print(f"HybridLM {args.preset}: {run.n_params:,} parameters, {run_config['dtype']} compute, "
-          f"{impl} kernels on {run.device_kind}; corpus {len(run.tokens):,} bytes "
+          f"{impl} kernels on {_devices(run)}; corpus {len(run.tokens):,} bytes "
           f"({len(run.train_tokens):,} train / {len(run.eval_tokens):,} eval); "
           f"steps {start_step} -> {args.steps}, batch {args.batch_size} x {args.seq_len}",
           flush=True)
@@ -851,7 +962,7 @@ def train_loop(run: Run) -> dict[str, Any]:
         # (peeked: the sampler is put back, so step 1 trains on that same batch).
         initial_eval = evaluate(params)
         rng_state = sampler.state()
-        first_loss = float(eval_step(params, jnp.asarray(next(sampler))))
+        first_loss = float(eval_step(params, run.place(next(sampler))))
         sampler.set_state(rng_state)
         log({"step": 0, "loss": first_loss, "eval_loss": initial_eval, "lr": float(schedule(0))})
 
@@ -863,7 +974,7 @@ def train_loop(run: Run) -> dict[str, Any]:
     total_time, total_tokens, untimed = 0.0, 0, 0
     for step in range(start_step + 1, args.steps + 1):
         # Drawing the next batch overlaps with the device still running the previous step.
-        batch = jnp.asarray(next(sampler))
+        batch = run.place(next(sampler))
         params, opt_state, loss = train_step(params, opt_state, batch)
         window_losses.append(loss)
         if step == start_step + 1:  # the first run of a compiled step is slower: not timed
@@ -951,11 +1062,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     """
     t_start = time.perf_counter()
     run = setup(args)
-    if args.resume:
-        resume_run(run)
-    open_workdir(run)
-    progress = train_loop(run)
-    records, samples = write_outputs(run)
+    with on_mesh(run):
+        if args.resume:
+            resume_run(run)
+        open_workdir(run)
+        progress = train_loop(run)
+        records, samples = write_outputs(run)
     wall = time.perf_counter() - t_start
     print(f"done in {wall:.1f} s; outputs in {run.workdir}", flush=True)
     return {

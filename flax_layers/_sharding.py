@@ -1,11 +1,22 @@
-"""Logical axis names on parameters, so that a later mesh can shard a model.
+"""The layers on a mesh.
 
+Parameters carry logical axis names, so that a later mesh can shard a model:
 `logical("embed", "mlp")` is the metadata dict for flax's `kernel_metadata`, `bias_metadata`,
 `scale_metadata` and `embedding_metadata` arguments; `logical_param` wraps an array directly.
 Sharding is not applied eagerly: without a mesh the names are only recorded.
+
+Activations follow their tokens: on a mesh with Explicit axes (`jax.make_mesh`) a (B, T)
+batch of tokens sharded over the batch and/or the sequence shards every (B, T, features)
+activation the same way (`token_features`); the kernels find it from the types, and the
+Mamba2 conv takes its history across sequence shards (`causal_halo`).
 """
 
+import math
+
+import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 def logical(*names):
@@ -14,3 +25,69 @@ def logical(*names):
 
 def logical_param(value, *names):
     return nnx.Param(value, **logical(*names))
+
+
+def token_features(tokens):
+    """The sharding of (B, T, features) activations of `tokens` (B, T): the tokens' batch and
+    sequence axes, features whole; None unless the tokens' type carries a sharding (meshes
+    with Explicit axes)."""
+    sharding = getattr(jax.typeof(tokens), "sharding", None)
+    if sharding is None or not any(sharding.spec):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[:2], None))
+
+
+def causal_halo(fn, x, history, seq_idx, *weights):
+    """`fn(x, history, seq_idx, history_ids, *weights)` of `x` (B, T, C) on a mesh with
+    Explicit axes, run per shard under `jax.shard_map`: `history` (B, W, C) holds the W tokens
+    before the first, and where the sequence is sharded each shard's history is the last W
+    tokens of the shard before it (one collective-permute); `history_ids` (B, W) are their
+    sequence ids (before the first token, the first token's), None without `seq_idx` (B, T).
+    `weights` (replicated; None stays None) pass through whole."""
+    sharding = token_features(x)
+    mesh, (batch, sequence) = sharding.mesh, sharding.spec[:2]
+    width = history.shape[1]
+    parts = 1 if sequence is None else math.prod(
+        mesh.shape[a] for a in ((sequence,) if isinstance(sequence, str) else sequence))
+    if sequence is not None and width > x.shape[1] // parts:
+        raise ValueError(f"the sequence shards ({x.shape[1] // parts} tokens over mesh axis "
+                         f"{sequence!r}) must hold at least the conv's {width} history tokens")
+    present = [i for i, w in enumerate(weights) if w is not None]
+
+    def local(x, history, seq_idx, *given):
+        history_ids = None if seq_idx is None else jnp.broadcast_to(
+            seq_idx[:, :1], (seq_idx.shape[0], width))
+        if sequence is not None and width:
+            first = jax.lax.axis_index(sequence) == 0
+            forward = [(i, i + 1) for i in range(parts - 1)]
+
+            def before(a, own):
+                return jnp.where(first, own, jax.lax.ppermute(a[:, -width:], sequence, forward))
+
+            history = before(x, history)
+            if seq_idx is not None:
+                history_ids = before(seq_idx, history_ids)
+        full = [None] * len(weights)
+        for i, w in zip(present, given, strict=True):
+            full[i] = w
+        return fn(x, history, seq_idx, history_ids, *full)
+
+    specs = [PartitionSpec(batch, sequence, None), PartitionSpec(batch, None, None),
+             None if seq_idx is None else PartitionSpec(batch, sequence)]
+    specs += [PartitionSpec()] * len(present)
+    args = [x, history, seq_idx, *(weights[i] for i in present)]
+    args = [a if a is None else jax.sharding.reshard(a, NamedSharding(mesh, s))
+            for a, s in zip(args, specs, strict=True)]
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=specs[0],
+                         check_vma=False)(*args)
+
+
+def on_whole_sequence(fn, x):
+    """`fn(x)` for (B, T) `x` (ids, positions: small) with T whole: gathered first where the
+    sequence is sharded on a mesh with Explicit axes; the result sharded as `x`."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if sharding is None or len(sharding.spec) < 2 or sharding.spec[1] is None:
+        return fn(x)
+    whole = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0], None))
+    return jax.sharding.reshard(fn(jax.sharding.reshard(x, whole)), sharding)

@@ -23,7 +23,7 @@ from flax_layers._checks import (
     check_implementation,
     check_sizes,
 )
-from flax_layers._sharding import logical
+from flax_layers._sharding import logical, on_whole_sequence
 from pallas_kernels import arguments
 
 _WARNED = set()
@@ -153,7 +153,9 @@ class FlashMultiHeadAttention(nnx.Module):
     qkv_features // num_heads. Options: `is_causal`, `local_window_size`, `logits_soft_cap` (as
     `pallas_kernels.dot_product_attention`, checked here with the kernel's own checks so that
     the forward and the decode path reject the same values) and rotary embeddings with base
-    `rope_theta`. Every argument is checked at construction (ValueError or TypeError naming it).
+    `rope_theta`. On a mesh whose sequence axis shards the tokens, `context_parallelism`
+    ("all_gather" or "ring") picks how the devices share keys and values. Every argument is
+    checked at construction (ValueError or TypeError naming it).
 
     `__call__(inputs_q (B, T, F), inputs_kv=None, *, q_segment_ids=None, kv_segment_ids=None,
     decode=None)` returns (B, T, out_features). With `decode=True` (after `init_cache`) each call
@@ -180,6 +182,7 @@ class FlashMultiHeadAttention(nnx.Module):
         param_dtype=jnp.float32,
         kernel_init=DEFAULT_KERNEL_INIT,
         implementation=None,
+        context_parallelism="all_gather",
         rngs,
     ):
         qkv_features = in_features if qkv_features is None else qkv_features
@@ -190,6 +193,7 @@ class FlashMultiHeadAttention(nnx.Module):
         check_flags(is_causal=is_causal, use_bias=use_bias)
         check_dtypes(dtype=dtype, param_dtype=param_dtype)
         check_implementation(implementation)
+        self.context_parallelism = arguments.check_context_parallelism(context_parallelism)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.in_features, self.out_features = in_features, out_features
         self.is_causal = is_causal
@@ -247,7 +251,7 @@ class FlashMultiHeadAttention(nnx.Module):
             query, key, value, is_causal=self.is_causal,
             local_window_size=self.local_window_size, logits_soft_cap=self.logits_soft_cap,
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            implementation=self.implementation,
+            implementation=self.implementation, context_parallelism=self.context_parallelism,
         )
         return self.out(out)
 
@@ -266,7 +270,7 @@ class FlashMultiHeadAttention(nnx.Module):
     @staticmethod
     def _positions(inputs, segment_ids):
         if segment_ids is not None:
-            return segment_positions(segment_ids)
+            return on_whole_sequence(segment_positions, segment_ids)
         return jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape[:2])
 
     def attend_cached(self, inputs, cache):

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from flax_layers._checks import check_dtypes, check_implementation, check_sizes
-from flax_layers._sharding import logical
+from flax_layers._sharding import logical, token_features
 from flax_layers.attention import FlashMultiHeadAttention, KVCache, check_heads
 from flax_layers.mamba2 import Mamba2, mixer_shape
 from pallas_kernels import arguments
@@ -25,7 +25,13 @@ class HybridLMConfig:
     `num_layers`, what `FlashMultiHeadAttention` and `Mamba2` would reject (`num_kv_heads`
     not dividing `num_heads`, an odd `attn_head_dim` with `rope_theta`, `expand * d_model`
     not divisible by `ssm_head_dim`, heads not divisible by `ngroups`, `chunk_size` not a power
-    of two, ...), a `dtype` that is not a floating dtype or None, an unknown `implementation`.
+    of two, ...), a `dtype` that is not a floating dtype or None, an unknown `implementation`
+    or `context_parallelism`.
+
+    On a mesh with Explicit axes (`jax.make_mesh`) the model follows its tokens' sharding:
+    batch (data parallelism) and sequence (context parallelism, contiguous shards) axes shard
+    every activation, the kernels run per shard and the Mamba2 conv takes its history from the
+    shard before; parameters stay replicated.
     """
 
     vocab_size: int = 256
@@ -45,6 +51,7 @@ class HybridLMConfig:
     rope_theta: float | None = 10000.0
     dtype: object = None
     implementation: str | None = None
+    context_parallelism: str = "all_gather"  # attention's, where the sequence is sharded
 
     def __post_init__(self):
         check_sizes(vocab_size=self.vocab_size, num_layers=self.num_layers,
@@ -59,6 +66,7 @@ class HybridLMConfig:
                     self.ngroups, self.chunk_size)
         check_dtypes(dtype=self.dtype)
         check_implementation(self.implementation)
+        arguments.check_context_parallelism(self.context_parallelism)
 
     @classmethod
     def preset(cls, name, **overrides):
@@ -104,7 +112,8 @@ class _SharedBlock(nnx.Module):
         self.attention = FlashMultiHeadAttention(
             config.num_heads, 2 * d, config.num_heads * config.attn_head_dim, d,
             num_kv_heads=config.num_kv_heads, is_causal=True, rope_theta=config.rope_theta,
-            dtype=config.dtype, implementation=config.implementation, rngs=rngs,
+            dtype=config.dtype, implementation=config.implementation,
+            context_parallelism=config.context_parallelism, rngs=rngs,
         )
         self.mlp_norm = _rms_norm(d, config, rngs)
         self.up = nnx.Linear(d, config.mlp_hidden, dtype=config.dtype, rngs=rngs,
@@ -185,7 +194,8 @@ class HybridLM(nnx.Module):
         if decode:
             self._check_decode(*tokens.shape, segment_ids)
         in_vocab = (tokens >= 0) & (tokens < self.config.vocab_size)  # (B, T)
-        embeddings = self.embed(jnp.where(in_vocab, tokens, 0))
+        embeddings = self.embed(jnp.where(in_vocab, tokens, 0),
+                                out_sharding=token_features(tokens))
         h = embeddings
         for i, block in enumerate(self.blocks):
             h = h + block.mixer(block.norm(h), seq_idx=segment_ids, decode=decode)

@@ -9,7 +9,7 @@ from flax import nnx
 
 import pallas_kernels
 from flax_layers._checks import check_dtypes, check_flags, check_implementation, check_sizes
-from flax_layers._sharding import logical, logical_param
+from flax_layers._sharding import causal_halo, logical, logical_param, token_features
 from pallas_kernels import arguments
 
 
@@ -143,21 +143,14 @@ class Mamba2(nnx.Module):
         return zxbcdt[..., :d], zxbcdt[..., d:2 * d + 2 * gn], zxbcdt[..., 2 * d + 2 * gn:]
 
     def _conv(self, xbc, history, seq_idx=None):
-        """Causal depthwise conv + SiLU over (B, T, C) with `history` (B, d_conv - 1, C)."""
-        padded = jnp.concatenate([history.astype(xbc.dtype), xbc], axis=1)
-        t = xbc.shape[1]
-        weight = self.conv_weight[...].astype(jnp.float32)
-        out = jnp.zeros(xbc.shape, jnp.float32)
-        for k in range(self.d_conv):  # tap k looks d_conv - 1 - k tokens back
-            tap = padded[:, k:k + t].astype(jnp.float32) * weight[k]
-            lag = self.d_conv - 1 - k
-            if seq_idx is not None and lag:
-                same = seq_idx == jnp.pad(seq_idx, ((0, 0), (lag, 0)), mode="edge")[:, :t]
-                tap = jnp.where(same[..., None], tap, 0.0)
-            out += tap
-        if self.conv_bias is not None:
-            out += self.conv_bias[...].astype(jnp.float32)
-        return jax.nn.silu(out).astype(xbc.dtype)
+        """Causal depthwise conv + SiLU over (B, T, C) with `history` (B, d_conv - 1, C). On a
+        mesh with Explicit axes it runs per shard; a sharded sequence takes each shard's
+        history (and its sequence ids) from the shard before it (`_sharding.causal_halo`)."""
+        weights = (self.conv_weight[...], None if self.conv_bias is None else self.conv_bias[...])
+        if token_features(xbc) is not None:
+            return causal_halo(_causal_conv, xbc, history, seq_idx, *weights)
+        return _causal_conv(xbc, history, seq_idx,
+                            None if seq_idx is None else _edge(seq_idx, history), *weights)
 
     def _heads(self, x, b, c):
         lead = x.shape[:-1]
@@ -204,13 +197,14 @@ class Mamba2(nnx.Module):
                 z, xbc, dt, self.conv_state[...], self.ssm_state[...])
         else:
             history = jnp.zeros((u.shape[0], self.d_conv - 1, self.conv_dim), xbc.dtype)
-            y, _ = self._scan(z, xbc, dt, history, None, seq_idx)
+            y, _ = self._scan(z, xbc, dt, history, None, seq_idx, caches=False)
         return self._norm_and_project(y, z)
 
-    def _scan(self, z, xbc, dt, history, initial_states, seq_idx=None):
+    def _scan(self, z, xbc, dt, history, initial_states, seq_idx=None, *, caches=True):
         """The chunked scan over (B, T, ...) from conv `history` (B, d_conv - 1, C) and
         `initial_states` (B, H, P, N) or None. Returns (y (B, T, d_inner), (conv history,
-        SSM state) after the last token, in the histories' and float32)."""
+        SSM state) after the last token, in the histories' and float32), None for the
+        latter unless `caches`."""
         x, b, c = self._ssd_inputs(self._conv(xbc, history, seq_idx))
         y, final = pallas_kernels.mamba_chunk_scan_combined(
             x, dt, -jnp.exp(self.A_log[...]), b, c, self.chunk_size, D=self._d(),
@@ -218,8 +212,10 @@ class Mamba2(nnx.Module):
             initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True,
             dt_limit=self.dt_limit, return_final_states=True, implementation=self.implementation,
         )
-        caches = (_conv_history(history, xbc), final.astype(jnp.float32))
-        return y.reshape(*xbc.shape[:2], self.d_inner), caches
+        y = y.reshape(*xbc.shape[:2], self.d_inner)
+        if not caches:
+            return y, None
+        return y, (_conv_history(history, xbc), final.astype(jnp.float32))
 
     def _step(self, z, xbc, dt, conv_state, ssm_state):
         """One token (B, 1, ...) through the conv state and `selective_state_update`. Returns
@@ -232,6 +228,31 @@ class Mamba2(nnx.Module):
         )
         return y.reshape(xbc.shape[0], 1, self.d_inner), (_conv_history(conv_state, xbc),
                                                           ssm_state)
+
+
+def _edge(seq_idx, history):
+    """Sequence ids of the history tokens before the first token: the first token's."""
+    return jnp.broadcast_to(seq_idx[:, :1], (seq_idx.shape[0], history.shape[1]))
+
+
+def _causal_conv(xbc, history, seq_idx, history_ids, weight, bias):
+    """SiLU(causal depthwise conv) of xbc (B, T, C) after `history` (B, K - 1, C), with
+    weight (K, C) and bias (C,) or None; taps that reach back into another sequence (by
+    `seq_idx` (B, T), with `history_ids` (B, K - 1) for the history) contribute nothing."""
+    width = weight.shape[0]
+    padded = jnp.concatenate([history.astype(xbc.dtype), xbc], axis=1)
+    ids = None if seq_idx is None else jnp.concatenate([history_ids, seq_idx], axis=1)
+    t = xbc.shape[1]
+    weight = weight.astype(jnp.float32)
+    out = jnp.zeros(xbc.shape, jnp.float32)
+    for k in range(width):  # tap k looks width - 1 - k tokens back
+        tap = padded[:, k:k + t].astype(jnp.float32) * weight[k]
+        if ids is not None and k < width - 1:
+            tap = jnp.where((seq_idx == ids[:, k:k + t])[..., None], tap, 0.0)
+        out += tap
+    if bias is not None:
+        out += bias.astype(jnp.float32)
+    return jax.nn.silu(out).astype(xbc.dtype)
 
 
 def _conv_history(history, xbc):

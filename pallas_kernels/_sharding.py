@@ -122,7 +122,8 @@ def run(placement, fn, args, in_specs, out_specs):
     arrays = [args[i] for i in present]
     specs = tuple(in_specs[i] for i in present)
     if placement.explicit:
-        arrays = [a if jax.typeof(a).sharding.spec == s else jax.sharding.reshard(a, s)
+        arrays = [a if jax.typeof(a).sharding.spec == s
+                  else jax.sharding.reshard(a, NamedSharding(placement.mesh, s))
                   for a, s in zip(arrays, specs, strict=True)]
     return jax.shard_map(local, mesh=placement.mesh, in_specs=specs, out_specs=out_specs,
                          check_vma=False)(*arrays)

@@ -1,0 +1,118 @@
+"""HybridLM on 8 (simulated) devices: a train step's loss and every gradient on meshes with
+Explicit axes (batch over data, sequence over context, both) equal one device's; the Mamba2
+conv's history crosses sequence shards; errors name what cannot be honoured.
+
+Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (`.ci/run` does).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from mesh_cases import mesh
+from numerics import rel_error
+
+from flax_layers import HybridLM, HybridLMConfig
+
+pytestmark = pytest.mark.multidevice
+
+CONFIG = HybridLMConfig.preset("tiny", chunk_size=16)
+
+
+def _loss(model, tokens, segment_ids):
+    logits = model(tokens, segment_ids=segment_ids)
+    picked = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+
+def _segments(batch, t):
+    """Three packed documents per row, their edges off the shards' edges."""
+    ids = np.zeros((batch, t), np.int32)
+    ids[:, 20:] = 1
+    ids[:, 50:] = 2
+    return jnp.asarray(ids)
+
+
+@pytest.mark.parametrize("shape, names, spec, implementation, strategy, with_segments", [
+    pytest.param((8,), ("data",), P("data"), "xla", "all_gather", False, id="data8-xla"),
+    pytest.param((2, 4), ("data", "context"), P("data", "context"), "pallas", "all_gather",
+                 True, id="data2-context4-segments-pallas"),
+    pytest.param((8,), ("context",), P(None, "context"), "xla", "ring", True,
+                 id="context8-ring-segments-xla"),
+])
+def test_train_step_equals_one_device(shape, names, spec, implementation, strategy,
+                                      with_segments):
+    config = dataclasses.replace(CONFIG, implementation=implementation,
+                                 context_parallelism=strategy)
+    model = HybridLM(config, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (8, 64), 0, config.vocab_size)
+    segments = _segments(*tokens.shape) if with_segments else None
+    step = nnx.jit(nnx.value_and_grad(_loss))
+    want_loss, want_grads = step(model, tokens, segments)
+
+    mesh_ = mesh(shape, names, explicit=True)
+    with jax.set_mesh(mesh_):
+        placed = [None if x is None else jax.device_put(x, spec) for x in (tokens, segments)]
+        loss, grads = step(model, *placed)
+    assert abs(float(loss) - float(want_loss)) < 1e-5 * abs(float(want_loss))
+    for path, got in nnx.to_flat_state(grads):
+        want = dict(nnx.to_flat_state(want_grads))[path]
+        assert rel_error(got[...], want[...]) < 1e-5, path
+
+
+def test_the_conv_history_must_fit_in_a_sequence_shard():
+    model = HybridLM(dataclasses.replace(CONFIG, implementation="xla"), rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((1, 16), jnp.int32)  # 2 tokens per device, the conv needs 3
+    needle = r"the sequence shards \(2 tokens over mesh axis 'context'\) must hold at least"
+    with (jax.set_mesh(mesh((8,), ("context",), explicit=True)),
+          pytest.raises(ValueError, match=needle + " the conv's 3")):
+        model(jax.device_put(tokens, P(None, "context")))
+
+
+def test_context_parallelism_is_checked_on_construction():
+    with pytest.raises(ValueError, match="context_parallelism must be one of"):
+        dataclasses.replace(CONFIG, context_parallelism="ulysses")
+
+
+def test_training_example_on_a_mesh_resumes_on_another_and_matches_one_device(tmp_path):
+    """examples/train_hybrid_lm.py: 4 steps on one device; 2 on --mesh data=2,context=4 and,
+    from their checkpoint, 2 more on --mesh data=4,context=2 with ring attention: the same
+    losses."""
+    from test_train_example import TINY, trainer
+
+    flags = [*TINY, "--sample-tokens", "0", "--eval-batches", "1", "--checkpoint-every", "2",
+             "--schedule-steps", "4"]
+
+    def losses(workdir):
+        return [r["loss"] for r in trainer.read_metrics(workdir / "metrics.jsonl")]
+
+    trainer.train(trainer.parse_args([*flags, "--workdir", str(tmp_path / "one"), "--steps",
+                                      "4", "--mesh", "data=1"]))
+    meshes = tmp_path / "meshes"
+    first = trainer.train(trainer.parse_args([*flags, "--workdir", str(meshes), "--steps", "2",
+                                              "--mesh", "data=2,context=4"]))
+    assert first["model"].embed.embedding[...].sharding.mesh.shape == {"data": 2, "context": 4}
+    trainer.train(trainer.parse_args([*flags, "--workdir", str(meshes), "--steps", "4",
+                                      "--resume", "--mesh", "data=4,context=2",
+                                      "--context-parallelism", "ring"]))
+    want, got = losses(tmp_path / "one"), losses(meshes)
+    assert len(got) == len(want) == 5
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_flag, message", [
+    ("data=16", "needs 16 devices; 8 are here"),
+    ("data=8", "--batch-size 4 does not split over 8 data devices (--mesh)"),
+    ("context=8", "--seq-len 16 does not split over 8 context devices (--mesh) into pieces of "
+                  "at least 3 tokens"),
+])
+def test_training_example_mesh_errors(mesh_flag, message, tmp_path):
+    from test_train_example import TINY, trainer
+
+    with pytest.raises(trainer.UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        trainer.setup(trainer.parse_args([*TINY, "--seq-len", "16", "--workdir", str(tmp_path),
+                                          "--mesh", mesh_flag]))
