@@ -13,9 +13,9 @@ run needs is here and small enough to read in one sitting:
   loss every `--eval-every` steps, orbax checkpoints every `--checkpoint-every` steps (parameters,
   optimizer state, step and data RNG state) and exact `--resume`;
 - at the end, text sampled through the model's decode caches (`HybridLM.generate`);
-- every local device: data parallel by default, `--mesh data=2,context=4` for context
-  parallelism too (the model follows its tokens' sharding; parameters are replicated). A
-  checkpoint restores onto any mesh.
+- every local device: data parallel by default; `--mesh data=2,fsdp=2,context=2` also shards
+  the parameters and optimizer state (fsdp, gathered for each step) and the sequence (context
+  parallelism; the model follows its tokens' sharding). A checkpoint restores onto any mesh.
 
 With the package installed (`pip install -e .`, see the README), run from the repository root:
 
@@ -67,7 +67,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from flax_layers import HybridLM, HybridLMConfig
+from flax_layers import HybridLM, HybridLMConfig, gather_parameters, parameter_shardings
 from pallas_kernels import _compat, _device
 
 _compat.silence_triton_deprecation()
@@ -141,7 +141,7 @@ def _fraction(text: str) -> float:
     return _number(text, float, "a number between 0 and 1 (exclusive)", lambda v: 0 < v < 1)
 
 
-MESH_AXES = ("data", "context")
+MESH_AXES = ("data", "fsdp", "context")
 
 
 def _mesh_axes(text: str) -> dict[str, int]:
@@ -191,9 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compute dtype (parameters stay float32); auto: bfloat16 on a GPU")
     devices = parser.add_argument_group("devices")
     devices.add_argument("--mesh", type=_mesh_axes, default=None, metavar="AXIS=N[,AXIS=N]",
-                         help="the device mesh: data (the batch) and context (the sequence) "
-                              "axes, e.g. data=2,context=4 (default: data over every local "
-                              "device); parameters are replicated")
+                         help="the device mesh: data (the batch), fsdp (the batch, and the "
+                              "parameters and optimizer state sharded) and context (the "
+                              "sequence) axes, e.g. data=2,fsdp=2,context=2 (default: data over "
+                              "every local device)")
     devices.add_argument("--context-parallelism", choices=("all_gather", "ring"),
                          default="all_gather",
                          help="how attention's devices share keys and values on a context "
@@ -443,8 +444,9 @@ def make_optimizer(lr: float, warmup_steps: int, schedule_steps: int, weight_dec
 def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
                     tokens: NamedSharding | None = None) -> jax.Array:
     """Mean cross-entropy (nats per byte) of predicting batch[:, 1:] from batch[:, :-1], both
-    placed by `tokens` on a mesh (the model's activations follow them)."""
-    model = nnx.merge(graphdef, params)
+    placed by `tokens` on a mesh (the model's activations follow them). Parameters sharded
+    over fsdp are gathered first (their gradients come back reduce-scattered)."""
+    model = nnx.merge(graphdef, gather_parameters(params))
     inputs, labels = batch[:, :-1], batch[:, 1:]
     if tokens is not None:
         inputs, labels = (jax.sharding.reshard(x, tokens) for x in (inputs, labels))
@@ -672,8 +674,9 @@ def plot_losses(records: Sequence[dict[str, Any]], path: Path, title: str = "") 
 def generate_samples(graphdef: nnx.GraphDef, params: nnx.State, prompts: Sequence[str],
                      max_new_tokens: int, temperature: float, seed: int) -> list[str]:
     """Continues each prompt by `max_new_tokens` bytes through the model's decode caches;
-    returns prompt + continuation, decoded as UTF-8 with errors replaced."""
-    model = nnx.merge(graphdef, params)
+    returns prompt + continuation, decoded as UTF-8 with errors replaced (the parameters
+    whole on every device)."""
+    model = nnx.merge(graphdef, gather_parameters(params))
     keys = jax.random.split(jax.random.key(seed), len(prompts))
     samples = []
     for prompt, key in zip(prompts, keys, strict=True):
@@ -752,12 +755,14 @@ class Run:
         context (the activations follow them)."""
         if self.mesh is None:
             return None
-        return NamedSharding(self.mesh, P("data" if "data" in self.mesh.shape else None,
-                                          "context" if "context" in self.mesh.shape else None))
+        batch = tuple(a for a in ("data", "fsdp") if a in self.mesh.shape) or None
+        return NamedSharding(self.mesh, P(batch, "context" if "context" in self.mesh.shape
+                                          else None))
 
     @property
     def batch_sharding(self) -> NamedSharding | None:
-        """Where a (B, T + 1) batch goes: its rows over data (T + 1 does not split)."""
+        """Where a (B, T + 1) batch goes: its rows over data and fsdp (T + 1 does not
+        split)."""
         return None if self.mesh is None else NamedSharding(self.mesh,
                                                             P(self.token_sharding.spec[0]))
 
@@ -796,10 +801,10 @@ def make_run_mesh(axes: dict[str, int] | None, batch_size: int, seq_len: int,
         raise UsageError(f"--mesh {axes} needs {size} devices; {jax.device_count()} are here")
     if size == 1:
         return None
-    data, context = axes.get("data", 1), axes.get("context", 1)
-    if batch_size % data:
-        raise UsageError(f"--batch-size {batch_size} does not split over {data} data devices "
-                         "(--mesh)")
+    rows, context = axes.get("data", 1) * axes.get("fsdp", 1), axes.get("context", 1)
+    if batch_size % rows:
+        raise UsageError(f"--batch-size {batch_size} does not split over {rows} data and fsdp "
+                         "devices (--mesh)")
     if seq_len % context or seq_len // context < d_conv - 1:
         raise UsageError(f"--seq-len {seq_len} does not split over {context} context devices "
                          f"(--mesh) into pieces of at least {d_conv - 1} tokens")
@@ -828,8 +833,8 @@ def setup(args: argparse.Namespace) -> Run:
     mesh = make_run_mesh(args.mesh, args.batch_size, args.seq_len, config.d_conv)
 
     graphdef, params = nnx.split(HybridLM(config, rngs=nnx.Rngs(args.seed)))
-    if mesh is not None:  # replicated
-        params = jax.device_put(params, NamedSharding(mesh, P()))
+    if mesh is not None:  # the embedding dimension over fsdp, the rest replicated
+        params = jax.device_put(params, parameter_shardings(params, mesh))
     device_kind = jax.devices()[0].device_kind
     peak = _device.peak_flops(device_kind)
     run = Run(
@@ -844,9 +849,8 @@ def setup(args: argparse.Namespace) -> Run:
     )
     tx, run.schedule, run.train_step, run.eval_step = _optimizer(
         args, graphdef, run_config["schedule_steps"], run.token_sharding)
-    run.opt_state = tx.init(params)
-    if mesh is not None:  # its step counts too
-        run.opt_state = jax.device_put(run.opt_state, NamedSharding(mesh, P()))
+    with on_mesh(run):  # the optimizer state sharded as the parameters, counts replicated
+        run.opt_state = jax.jit(tx.init)(params)
     run.eval_set = [run.place(b) for b in eval_batches(eval_tokens, args.batch_size,
                                                         args.seq_len, args.eval_batches)]
     return run

@@ -1,5 +1,6 @@
 """Flax NNX layers on the pallas_kernels kernels."""
 
+from flax_layers._sharding import LOGICAL_AXIS_RULES, gather_parameters, parameter_shardings
 from flax_layers.attention import FlashMultiHeadAttention, flash_attention_fn
 from flax_layers.hybrid import HybridLM, HybridLMConfig
 from flax_layers.mamba2 import Mamba2
@@ -8,6 +9,9 @@ __all__ = [
     "FlashMultiHeadAttention",
     "HybridLM",
     "HybridLMConfig",
+    "LOGICAL_AXIS_RULES",
     "Mamba2",
     "flash_attention_fn",
+    "gather_parameters",
+    "parameter_shardings",
 ]

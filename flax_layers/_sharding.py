@@ -5,6 +5,9 @@ Parameters carry logical axis names, so that a later mesh can shard a model:
 `scale_metadata` and `embedding_metadata` arguments; `logical_param` wraps an array directly.
 Sharding is not applied eagerly: without a mesh the names are only recorded.
 
+`parameter_shardings` maps the names through `LOGICAL_AXIS_RULES` to a mesh's axes, and
+`gather_parameters` gathers the sharded ones at a step's start (fully sharded data parallel).
+
 Activations follow their tokens: on a mesh with Explicit axes (`jax.make_mesh`) a (B, T)
 batch of tokens sharded over the batch and/or the sequence shards every (B, T, features)
 activation the same way (`token_features`); the kernels find it from the types, and the
@@ -17,6 +20,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+
+# Logical axis -> mesh axes (a name, a tuple, or None: whole). Only the embedding dimension of
+# parameters is sharded (over fsdp, gathered for the step: `gather_parameters`); activations
+# shard their batch over data and fsdp and their sequence over context, from the tokens.
+LOGICAL_AXIS_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("length", "context"),
+    ("embed", "fsdp"),
+)
 
 
 def logical(*names):
@@ -91,3 +103,47 @@ def on_whole_sequence(fn, x):
         return fn(x)
     whole = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0], None))
     return jax.sharding.reshard(fn(jax.sharding.reshard(x, whole)), sharding)
+
+
+def _mesh_axes(entry, mesh, size, used):
+    """The mesh axes of one logical axis's rule entry that exist in `mesh`, are not `used`
+    yet, and split `size` evenly (as a PartitionSpec entry, or None)."""
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    kept = []
+    for name in names:
+        if name in mesh.shape and name not in used and size % (
+                math.prod(mesh.shape[a] for a in kept) * mesh.shape[name]) == 0:
+            kept.append(name)
+    used.update(kept)
+    return None if not kept else kept[0] if len(kept) == 1 else tuple(kept)
+
+
+def parameter_shardings(state, mesh, rules=LOGICAL_AXIS_RULES):
+    """NamedShardings on `mesh` for a model's parameter state (`nnx.state(model, nnx.Param)`
+    or `nnx.split`'s), from each parameter's logical axis names and `rules` ((logical name,
+    mesh axes) pairs): a dimension is sharded over the rule's mesh axes that the mesh has and
+    that divide it; every other dimension, and every parameter without names, is whole.
+    `jax.device_put(state, parameter_shardings(state, mesh))` places a model."""
+    table = dict(rules)
+
+    def sharding(variable):
+        names = variable.get_metadata().get("out_sharding") or ()
+        used = set()
+        spec = [_mesh_axes(table.get(name), mesh, size, used)
+                for name, size in zip(names, variable.shape, strict=False)]
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    return jax.tree.map(sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def gather_parameters(state):
+    """The parameters whole on every device (an all-gather of the sharded ones: the start of
+    a fully sharded data-parallel step; their gradients come back reduce-scattered), on a
+    mesh with Explicit axes; unchanged elsewhere."""
+    def whole(x):
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        if sharding is None or not any(sharding.spec):
+            return x
+        return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
+
+    return jax.tree.map(whole, state)

@@ -1,6 +1,7 @@
 """HybridLM on 8 (simulated) devices: a train step's loss and every gradient on meshes with
-Explicit axes (batch over data, sequence over context, both) equal one device's; the Mamba2
-conv's history crosses sequence shards; errors name what cannot be honoured.
+Explicit axes (batch over data, sequence over context, both; parameters over fsdp) equal one
+device's; the Mamba2 conv's history crosses sequence shards; the training example runs on a
+mesh and resumes on another; errors name what cannot be honoured.
 
 Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (`.ci/run` does).
 """
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from mesh_cases import mesh
 from numerics import rel_error
 
+import flax_layers
 from flax_layers import HybridLM, HybridLMConfig
 
 pytestmark = pytest.mark.multidevice
@@ -64,6 +66,35 @@ def test_train_step_equals_one_device(shape, names, spec, implementation, strate
         assert rel_error(got[...], want[...]) < 1e-5, path
 
 
+def test_fully_sharded_train_step_equals_one_device():
+    """Parameters sharded by `parameter_shardings` (the embedding dimension over fsdp),
+    gathered at the step's start: the gradients come back sharded as the parameters."""
+    graphdef, params = nnx.split(HybridLM(dataclasses.replace(CONFIG, implementation="xla"),
+                                          rngs=nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(1), (8, 64), 0, CONFIG.vocab_size)
+
+    def loss(params, tokens):
+        model = nnx.merge(graphdef, flax_layers.gather_parameters(params))
+        return _loss(model, tokens, None)
+
+    step = jax.jit(jax.value_and_grad(loss))
+    want_loss, want_grads = step(params, tokens)
+    mesh_ = mesh((2, 4), ("data", "fsdp"), explicit=True)
+    shardings = flax_layers.parameter_shardings(params, mesh_)
+    with jax.set_mesh(mesh_):
+        loss_, grads = step(jax.device_put(params, shardings),
+                            jax.device_put(tokens, P(("data", "fsdp"))))
+    assert abs(float(loss_) - float(want_loss)) < 1e-5 * float(want_loss)
+    specs = {str(path): s.spec for path, s in nnx.to_flat_state(shardings)}
+    assert specs["('embed', 'embedding')"] == P(None, "fsdp")
+    assert specs["('blocks', 0, 'mixer', 'in_proj', 'kernel')"] == P("fsdp", None)
+    assert specs["('blocks', 0, 'mixer', 'A_log')"] == P(None)
+    want = dict(nnx.to_flat_state(want_grads))
+    for path, got in nnx.to_flat_state(grads):
+        assert jax.typeof(got[...]).sharding.spec == specs[str(path)], path
+        assert rel_error(got[...], want[path][...]) < 1e-5, path
+
+
 def test_the_conv_history_must_fit_in_a_sequence_shard():
     model = HybridLM(dataclasses.replace(CONFIG, implementation="xla"), rngs=nnx.Rngs(0))
     tokens = jnp.zeros((1, 16), jnp.int32)  # 2 tokens per device, the conv needs 3
@@ -79,9 +110,9 @@ def test_context_parallelism_is_checked_on_construction():
 
 
 def test_training_example_on_a_mesh_resumes_on_another_and_matches_one_device(tmp_path):
-    """examples/train_hybrid_lm.py: 4 steps on one device; 2 on --mesh data=2,context=4 and,
-    from their checkpoint, 2 more on --mesh data=4,context=2 with ring attention: the same
-    losses."""
+    """examples/train_hybrid_lm.py: 4 steps on one device; 2 on --mesh fsdp=4,context=2
+    (parameters and optimizer state sharded, checkpoint too) and, from their checkpoint, 2 more
+    on --mesh data=4,context=2 (replicated) with ring attention: the same losses."""
     from test_train_example import TINY, trainer
 
     flags = [*TINY, "--sample-tokens", "0", "--eval-batches", "1", "--checkpoint-every", "2",
@@ -94,8 +125,8 @@ def test_training_example_on_a_mesh_resumes_on_another_and_matches_one_device(tm
                                       "4", "--mesh", "data=1"]))
     meshes = tmp_path / "meshes"
     first = trainer.train(trainer.parse_args([*flags, "--workdir", str(meshes), "--steps", "2",
-                                              "--mesh", "data=2,context=4"]))
-    assert first["model"].embed.embedding[...].sharding.mesh.shape == {"data": 2, "context": 4}
+                                              "--mesh", "fsdp=4,context=2"]))
+    assert first["model"].embed.embedding[...].sharding.spec == P(None, "fsdp")
     trainer.train(trainer.parse_args([*flags, "--workdir", str(meshes), "--steps", "4",
                                       "--resume", "--mesh", "data=4,context=2",
                                       "--context-parallelism", "ring"]))
@@ -106,7 +137,7 @@ def test_training_example_on_a_mesh_resumes_on_another_and_matches_one_device(tm
 
 @pytest.mark.parametrize("mesh_flag, message", [
     ("data=16", "needs 16 devices; 8 are here"),
-    ("data=8", "--batch-size 4 does not split over 8 data devices (--mesh)"),
+    ("data=2,fsdp=4", "--batch-size 4 does not split over 8 data and fsdp devices (--mesh)"),
     ("context=8", "--seq-len 16 does not split over 8 context devices (--mesh) into pieces of "
                   "at least 3 tokens"),
 ])
