@@ -31,7 +31,8 @@ class HybridLMConfig:
     On a mesh with Explicit axes (`jax.make_mesh`) the model follows its tokens' sharding:
     batch (data parallelism) and sequence (context parallelism, contiguous shards) axes shard
     every activation, the kernels run per shard and the Mamba2 conv takes its history from the
-    shard before; parameters stay replicated.
+    shard before. Parameters are where the caller puts them (`parameter_shardings` shards
+    them over fsdp; `gather_parameters` before the forward).
     """
 
     vocab_size: int = 256

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _sharding
+from pallas_kernels.attention import common
 
 
 def all_gather(compute, gradients, axis_name, parts, order, q, k, v, q_seg, kv_seg, q_len,
@@ -147,7 +148,7 @@ def _ring_fwd(compute, gradients, axis_name, parts, order, q, k, v, q_seg, kv_se
 def _ring_bwd(compute, gradients, axis_name, parts, order, residuals, cotangents):
     q, k, v, q_seg, kv_seg, q_len, kv_len, out, lse = residuals
     dout, dlse = cotangents
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse
+    delta = common.softmax_delta(out, dout) - dlse  # of the whole rows
     # A barrier keeps XLA from reusing the forward's passes (CSE), which would hold every
     # shard of K and V from the forward to the backward.
     held = jax.lax.optimization_barrier((k, v, kv_seg))
