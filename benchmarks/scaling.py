@@ -1,8 +1,8 @@
 """Scaling of the ops over the local devices: the sharded path's cost at n = 1 and context
 parallelism's strong scaling, on every device count from 1 to the machine's (or `--devices`).
 
-Three sections, each a forward and backward (jax.vjp) timed amortised (10 calls, one sync;
-medians over `--rounds` rounds whose order alternates):
+Four sections, each timed amortised (10 calls, one sync; medians over `--rounds` rounds whose
+order alternates); the first three time a forward and backward (jax.vjp):
 
 * overhead (one device): the direct call against the same call through the sharded path on a
   one-device mesh: batch sharded (shard_map only) and sequence sharded (context parallelism:
@@ -14,9 +14,11 @@ medians over `--rounds` rounds whose order alternates):
 * ssd: the Mamba2-2.7B mixer shape (b 1, 80 heads, N 128, chunk 256) from T 65536 up, the
   sequence over n devices; the same columns.
 
-The data-parallel train step of the HybridLM joins when the Flax layers run on meshes.
+* train: data-parallel weak scaling of the HybridLM train step (bf16 Pallas kernels, AdamW,
+  next-token loss), `--train-batch` rows of `--train-seq-len` tokens per device on a data mesh
+  of n devices; efficiency = tokens/s / (n x one device's), and the compiled step's memory.
 
-    python -m benchmarks.scaling [--devices N] [--sections overhead,attention,ssd]
+    python -m benchmarks.scaling [--devices N] [--sections overhead,attention,ssd,train]
         [--tag h200_n1]      # writes benchmarks/results/scaling_{tag}.json and .png
 """
 
@@ -30,11 +32,14 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import optax
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from benchmarks import _harness, _timing
+from flax_layers import HybridLM, HybridLMConfig
 
 ATTENTION = dict(heads=16, head_dim=128)
 SSD = dict(heads=80, head_dim=64, state=128, groups=1, chunk=256)
@@ -175,6 +180,7 @@ def _strong_scaling(section, make, lengths, variants, devices, rounds):
                 tokens = t / (ms / 1e3)
                 row = dict(section=section, seq_len=t, devices=n, variant=name, ms=ms,
                            tokens_per_s=tokens, one_device_ms=base,
+                           ideal_tokens_per_s=None if base is None else n * t / (base / 1e3),
                            efficiency=None if base is None else base / (n * ms),
                            bytes_per_device=step.bytes_per_device())
                 rows.append(row)
@@ -196,6 +202,50 @@ def ssd(devices, rounds, lengths):
                            {"state passing": {}}, devices, rounds)
 
 
+def _train_step(n, preset, batch, seq_len):
+    """The `Step` of one HybridLM train step (AdamW) on a data mesh of `n` devices, `batch`
+    rows of `seq_len` tokens per device."""
+    mesh = _mesh(n, ("data",))
+    config = HybridLMConfig.preset(preset, dtype=jnp.bfloat16, implementation="pallas")
+    tx = optax.adamw(1e-4)
+    tokens = NamedSharding(mesh, P("data", None))
+    with jax.set_mesh(mesh):
+        graphdef, params = nnx.split(HybridLM(config, rngs=nnx.Rngs(0)))
+        opt_state = jax.jit(tx.init)(params)
+    data = jax.random.randint(jax.random.key(1), (n * batch, seq_len + 1), 0, config.vocab_size)
+    data = jax.device_put(data, tokens)
+
+    def loss(params, data):
+        logits = nnx.merge(graphdef, params)(data[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, data[:, 1:]).mean()
+
+    def step(params, opt_state, data):
+        value, grads = jax.value_and_grad(loss)(params, data)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return Step(jax.jit(step), [params, opt_state, data], mesh)
+
+
+def train(devices, rounds, preset, batch, seq_len):
+    """Data-parallel weak scaling: the same rows per device on 1, 2, 4, ... devices."""
+    rows, base = [], None
+    for n in devices:
+        step = _train_step(n, preset, batch, seq_len)
+        ms = _time({"step": step}, rounds)[0]["step"]
+        base = ms if n == 1 else base
+        tokens = n * batch * seq_len / (ms / 1e3)
+        rows.append(dict(section="train", seq_len=seq_len, devices=n,
+                         variant=f"{preset} data parallel, {batch} x {seq_len} per device",
+                         ms=ms, tokens_per_s=tokens, one_device_ms=base,
+                         ideal_tokens_per_s=n * batch * seq_len / (base / 1e3),
+                         efficiency=base / ms,
+                         bytes_per_device=step.bytes_per_device()))
+        print(f"train     {preset} n{n} {ms:9.3f} ms {tokens / 1e6:8.3f} Mtok/s  efficiency "
+              f"{base / ms:.3f}", flush=True)
+    return rows
+
+
 def _plot(path, rows):
     """One panel per (section, T): tokens/s against devices, a line per variant, and the
     ideal n x one device's direct call, dashed."""
@@ -214,19 +264,21 @@ def _plot(path, rows):
             line = sorted((r["devices"], r["tokens_per_s"] / 1e6) for r in chosen
                           if r["variant"] == variant)
             ax.plot(*zip(*line, strict=True), marker="o", label=variant)
-        base = next((r["one_device_ms"] for r in chosen if r["one_device_ms"]), None)
+        ideal = sorted({(r["devices"], r["ideal_tokens_per_s"] / 1e6) for r in chosen
+                        if r["ideal_tokens_per_s"]})
         counts = sorted({r["devices"] for r in chosen})
-        if base:
-            ax.plot(counts, [n * t / base / 1e3 for n in counts], "k--", lw=1,
-                    label="ideal (n x one device)")
+        if ideal:
+            ax.plot(*zip(*ideal, strict=True), "k--", lw=1, label="ideal (n x one device)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(counts, [str(n) for n in counts])
-        ax.set_title(f"{section}, T {t}")
+        ax.set_title(f"{section}, T {t}" + (" per row" if section == "train" else ""))
         ax.set_xlabel("devices")
-        ax.set_ylabel("million tokens/s (fwd+bwd)")
+        ax.set_ylabel("million tokens/s (train step)" if section == "train"
+                      else "million tokens/s (fwd+bwd)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Context-parallel strong scaling", fontsize=10)
+    fig.suptitle("Context-parallel strong scaling; data-parallel weak scaling (train)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -238,10 +290,13 @@ def main(argv=None):
     parser.add_argument("--devices", type=int, default=jax.device_count(),
                         help="the largest device count (counts double from 1 up to it)")
     parser.add_argument("--sections", type=_harness.comma_list(str),
-                        default=["overhead", "attention", "ssd"])
+                        default=["overhead", "attention", "ssd", "train"])
     parser.add_argument("--attention-lengths", type=_harness.comma_list(int),
                         default=[16384, 65536])
     parser.add_argument("--ssd-lengths", type=_harness.comma_list(int), default=[65536, 131072])
+    parser.add_argument("--train-preset", default="small", help="HybridLMConfig.preset name")
+    parser.add_argument("--train-batch", type=int, default=16, help="rows per device")
+    parser.add_argument("--train-seq-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--tag", required=True, help="file names: scaling_{tag}.json / .png")
@@ -260,6 +315,9 @@ def main(argv=None):
             rows += attention(devices, args.rounds, args.attention_lengths)
         elif section == "ssd":
             rows += ssd(devices, args.rounds, args.ssd_lengths)
+        elif section == "train":
+            rows += train(devices, args.rounds, args.train_preset, args.train_batch,
+                          args.train_seq_len)
         else:
             raise SystemExit(f"--sections: unknown section {section!r}")
         payload["scaling"] = rows

@@ -15,7 +15,9 @@ run needs is here and small enough to read in one sitting:
 - at the end, text sampled through the model's decode caches (`HybridLM.generate`);
 - every local device: data parallel by default; `--mesh data=2,fsdp=2,context=2` also shards
   the parameters and optimizer state (fsdp, gathered for each step) and the sequence (context
-  parallelism; the model follows its tokens' sharding). A checkpoint restores onto any mesh.
+  parallelism; the model follows its tokens' sharding); a tensor axis splits attention heads,
+  MLP units, the vocabulary and the Mamba2 scan (tensor parallelism). A checkpoint restores
+  onto any mesh.
 
 With the package installed (`pip install -e .`, see the README), run from the repository root:
 
@@ -141,7 +143,7 @@ def _fraction(text: str) -> float:
     return _number(text, float, "a number between 0 and 1 (exclusive)", lambda v: 0 < v < 1)
 
 
-MESH_AXES = ("data", "fsdp", "context")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 
 
 def _mesh_axes(text: str) -> dict[str, int]:
@@ -192,9 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     devices = parser.add_argument_group("devices")
     devices.add_argument("--mesh", type=_mesh_axes, default=None, metavar="AXIS=N[,AXIS=N]",
                          help="the device mesh: data (the batch), fsdp (the batch, and the "
-                              "parameters and optimizer state sharded) and context (the "
-                              "sequence) axes, e.g. data=2,fsdp=2,context=2 (default: data over "
-                              "every local device)")
+                              "parameters and optimizer state sharded), context (the "
+                              "sequence) and tensor (heads, MLP units, vocabulary) axes, e.g. "
+                              "data=2,fsdp=2,context=2 (default: data over every local device)")
     devices.add_argument("--context-parallelism", choices=("all_gather", "ring"),
                          default="all_gather",
                          help="how attention's devices share keys and values on a context "
@@ -451,7 +453,11 @@ def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
     if tokens is not None:
         inputs, labels = (jax.sharding.reshard(x, tokens) for x in (inputs, labels))
     logits = model(inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    # The label's logit by a masked sum, not a gather: over a tensor axis the vocabulary of
+    # the logits is sharded, and a reduction needs no gather of it.
+    picked = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == labels[..., None], logits, 0.0),
+                     axis=-1)
+    return (jax.nn.logsumexp(logits, axis=-1) - picked).mean()
 
 
 def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
@@ -676,7 +682,7 @@ def generate_samples(graphdef: nnx.GraphDef, params: nnx.State, prompts: Sequenc
     """Continues each prompt by `max_new_tokens` bytes through the model's decode caches;
     returns prompt + continuation, decoded as UTF-8 with errors replaced (the parameters
     whole on every device)."""
-    model = nnx.merge(graphdef, gather_parameters(params))
+    model = nnx.merge(graphdef, gather_parameters(params, axes=None))
     keys = jax.random.split(jax.random.key(seed), len(prompts))
     samples = []
     for prompt, key in zip(prompts, keys, strict=True):
@@ -790,11 +796,11 @@ def _optimizer(args: argparse.Namespace, graphdef: nnx.GraphDef, schedule_steps:
 
 
 def make_run_mesh(axes: dict[str, int] | None, batch_size: int, seq_len: int,
-                  d_conv: int) -> jax.sharding.Mesh | None:
+                  config: HybridLMConfig) -> jax.sharding.Mesh | None:
     """The mesh of --mesh (default: data over every local device), with Explicit axes, or None
-    on one device. Raises UsageError when it needs more devices than there are, or the batch
-    or the sequence (at least the Mamba2 conv's d_conv - 1 tokens per device) does not split
-    over it."""
+    on one device. Raises UsageError when it needs more devices than there are, or the batch,
+    the sequence (at least the Mamba2 conv's d_conv - 1 tokens per device) or the attention
+    heads and Mamba2 groups do not split over it."""
     axes = axes or {"data": jax.device_count()}
     size = math.prod(axes.values())
     if size > jax.device_count():
@@ -805,9 +811,14 @@ def make_run_mesh(axes: dict[str, int] | None, batch_size: int, seq_len: int,
     if batch_size % rows:
         raise UsageError(f"--batch-size {batch_size} does not split over {rows} data and fsdp "
                          "devices (--mesh)")
-    if seq_len % context or seq_len // context < d_conv - 1:
+    if seq_len % context or seq_len // context < config.d_conv - 1:
         raise UsageError(f"--seq-len {seq_len} does not split over {context} context devices "
-                         f"(--mesh) into pieces of at least {d_conv - 1} tokens")
+                         f"(--mesh) into pieces of at least {config.d_conv - 1} tokens")
+    tensor = axes.get("tensor", 1)
+    if config.num_kv_heads % tensor or (config.ngroups > 1 and config.ngroups % tensor):
+        raise UsageError(f"the model's attention kv heads ({config.num_kv_heads}) and Mamba2 "
+                         f"groups ({config.ngroups}, where more than one) must split over "
+                         f"{tensor} tensor devices (--mesh)")
     return jax.make_mesh(tuple(axes.values()), tuple(axes),
                          axis_types=(AxisType.Explicit,) * len(axes),
                          devices=jax.devices()[:size])
@@ -830,10 +841,10 @@ def setup(args: argparse.Namespace) -> Run:
     check_workdir(workdir)
     check_start(workdir / "checkpoints", args.resume, args.overwrite)
     run_config = run_settings(args, config, tokens)
-    mesh = make_run_mesh(args.mesh, args.batch_size, args.seq_len, config.d_conv)
+    mesh = make_run_mesh(args.mesh, args.batch_size, args.seq_len, config)
 
     graphdef, params = nnx.split(HybridLM(config, rngs=nnx.Rngs(args.seed)))
-    if mesh is not None:  # the embedding dimension over fsdp, the rest replicated
+    if mesh is not None:  # embedding dimension over fsdp, heads/units/vocabulary over tensor
         params = jax.device_put(params, parameter_shardings(params, mesh))
     device_kind = jax.devices()[0].device_kind
     peak = _device.peak_flops(device_kind)

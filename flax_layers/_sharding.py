@@ -6,12 +6,16 @@ Parameters carry logical axis names, so that a later mesh can shard a model:
 Sharding is not applied eagerly: without a mesh the names are only recorded.
 
 `parameter_shardings` maps the names through `LOGICAL_AXIS_RULES` to a mesh's axes, and
-`gather_parameters` gathers the sharded ones at a step's start (fully sharded data parallel).
+`gather_parameters` gathers the fsdp-sharded ones at a step's start (fully sharded data
+parallel); those sharded over tensor stay sharded (tensor parallelism).
 
 Activations follow their tokens: on a mesh with Explicit axes (`jax.make_mesh`) a (B, T)
 batch of tokens sharded over the batch and/or the sequence shards every (B, T, features)
 activation the same way (`token_features`); the kernels find it from the types, and the
-Mamba2 conv takes its history across sequence shards (`causal_halo`).
+Mamba2 conv takes its history across sequence shards (`causal_halo`). Over a tensor axis the
+projections into heads (attention's, the MLP's hidden units, the vocabulary) come out sharded
+by their weights, the kernels run per head shard (`heads_sharded` places the Mamba2 scan's),
+and the projections back to `embed` sum the shards (`out_sharding=token_features(...)`).
 """
 
 import math
@@ -19,16 +23,24 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-# Logical axis -> mesh axes (a name, a tuple, or None: whole). Only the embedding dimension of
-# parameters is sharded (over fsdp, gathered for the step: `gather_parameters`); activations
-# shard their batch over data and fsdp and their sequence over context, from the tokens.
+# Logical axis -> mesh axes (a name, a tuple, or None: whole). Parameters: the embedding
+# dimension over fsdp (gathered for the step: `gather_parameters`), attention heads, MLP hidden
+# units and the vocabulary over tensor (Megatron-style: kept sharded). Mamba2's packed
+# projections ("inner") stay whole: its in_proj and conv run whole on each tensor device, its
+# scan, norm and out_proj per head shard. Activations shard their batch over data and fsdp and
+# their sequence over context, from the tokens.
 LOGICAL_AXIS_RULES = (
     ("batch", ("data", "fsdp")),
     ("length", "context"),
     ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
 )
+GATHERED_AXES = ("fsdp",)  # mesh axes that `gather_parameters` gathers by default
 
 
 def logical(*names):
@@ -39,15 +51,38 @@ def logical_param(value, *names):
     return nnx.Param(value, **logical(*names))
 
 
+def _explicit_sharding(x):
+    """x's sharding where its type carries one on a mesh with Explicit axes, else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if sharding is None or sharding.mesh.empty or AxisType.Explicit not in sharding.mesh.axis_types:
+        return None
+    return sharding
+
+
 def token_features(tokens):
-    """The sharding of (B, T, features) activations of `tokens` (B, T): the tokens' batch and
-    sequence axes, features whole; None unless the tokens' type carries a sharding (meshes
-    with Explicit axes)."""
-    sharding = getattr(jax.typeof(tokens), "sharding", None)
-    if sharding is None or not any(sharding.spec):
+    """The sharding of (B, T, features) activations of `tokens` (B, T, ...): the tokens' batch
+    and sequence axes, features whole; None off meshes with Explicit axes."""
+    sharding = _explicit_sharding(tokens)
+    if sharding is None:
         return None
     spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
     return NamedSharding(sharding.mesh, PartitionSpec(*spec[:2], None))
+
+
+def heads_sharded(x, name="heads", rules=LOGICAL_AXIS_RULES):
+    """`x` (B, T, H, ...) with its H over the mesh axes that `rules` give `name` (those the mesh
+    has, that its batch and sequence do not use and that divide H: a local slice), on a mesh with
+    Explicit axes; unchanged elsewhere."""
+    sharding = _explicit_sharding(x)
+    if sharding is None:
+        return x
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    used = {a for entry in spec[:2] for a in _names(entry)}
+    heads = _mesh_axes(dict(rules).get(name), sharding.mesh, x.shape[2], used)
+    if heads is None or spec[2] == heads:
+        return x
+    return jax.sharding.reshard(
+        x, NamedSharding(sharding.mesh, PartitionSpec(*spec[:2], heads, *spec[3:])))
 
 
 def causal_halo(fn, x, history, seq_idx, *weights):
@@ -105,10 +140,15 @@ def on_whole_sequence(fn, x):
     return jax.sharding.reshard(fn(jax.sharding.reshard(x, whole)), sharding)
 
 
+def _names(entry):
+    """The mesh axis names of a PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _mesh_axes(entry, mesh, size, used):
     """The mesh axes of one logical axis's rule entry that exist in `mesh`, are not `used`
     yet, and split `size` evenly (as a PartitionSpec entry, or None)."""
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    names = _names(entry)
     kept = []
     for name in names:
         if name in mesh.shape and name not in used and size % (
@@ -136,14 +176,24 @@ def parameter_shardings(state, mesh, rules=LOGICAL_AXIS_RULES):
     return jax.tree.map(sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def gather_parameters(state):
-    """The parameters whole on every device (an all-gather of the sharded ones: the start of
-    a fully sharded data-parallel step; their gradients come back reduce-scattered), on a
-    mesh with Explicit axes; unchanged elsewhere."""
-    def whole(x):
-        sharding = getattr(jax.typeof(x), "sharding", None)
+def gather_parameters(state, axes=GATHERED_AXES):
+    """The parameters gathered over the mesh `axes` (None: all of them, the parameters whole on
+    every device), on a mesh with Explicit axes; unchanged elsewhere. The default gathers what
+    fully sharded data parallelism shards, at a step's start (the gradients come back
+    reduce-scattered) and keeps tensor-parallel shards."""
+    def gathered(x):
+        sharding = _explicit_sharding(x)
         if sharding is None or not any(sharding.spec):
             return x
-        return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
+        spec = [None if axes is None else
+                _entry([a for a in _names(e) if a not in axes]) for e in sharding.spec]
+        if spec == list(sharding.spec):
+            return x
+        return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
 
-    return jax.tree.map(whole, state)
+    return jax.tree.map(gathered, state)
+
+
+def _entry(names):
+    """A PartitionSpec entry of mesh axis `names`."""
+    return None if not names else names[0] if len(names) == 1 else tuple(names)

@@ -23,7 +23,7 @@ from flax_layers._checks import (
     check_implementation,
     check_sizes,
 )
-from flax_layers._sharding import logical, on_whole_sequence
+from flax_layers._sharding import logical, on_whole_sequence, token_features
 from pallas_kernels import arguments
 
 _WARNED = set()
@@ -253,7 +253,7 @@ class FlashMultiHeadAttention(nnx.Module):
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
             implementation=self.implementation, context_parallelism=self.context_parallelism,
         )
-        return self.out(out)
+        return self.out(out, out_sharding=token_features(inputs_q))
 
     def _decode(self, inputs, inputs_kv, q_segment_ids, kv_segment_ids):
         """`attend_cached` on the module's own cache, which it updates."""

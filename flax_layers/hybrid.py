@@ -32,7 +32,8 @@ class HybridLMConfig:
     batch (data parallelism) and sequence (context parallelism, contiguous shards) axes shard
     every activation, the kernels run per shard and the Mamba2 conv takes its history from the
     shard before. Parameters are where the caller puts them (`parameter_shardings` shards
-    them over fsdp; `gather_parameters` before the forward).
+    them over fsdp and tensor; `gather_parameters` gathers fsdp before the forward). Over a
+    tensor axis the logits come out sharded over the vocabulary.
     """
 
     vocab_size: int = 256
@@ -130,7 +131,8 @@ class _SharedBlock(nnx.Module):
         else:
             out, cache = self.attention.attend_cached(x, cache)
             h = h + out
-        return h + self.down(jax.nn.gelu(self.up(self.mlp_norm(h)))), cache
+        hidden = jax.nn.gelu(self.up(self.mlp_norm(h)))
+        return h + self.down(hidden, out_sharding=token_features(h)), cache
 
 
 class _CacheSlot(nnx.Module):

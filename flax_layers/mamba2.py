@@ -9,7 +9,13 @@ from flax import nnx
 
 import pallas_kernels
 from flax_layers._checks import check_dtypes, check_flags, check_implementation, check_sizes
-from flax_layers._sharding import causal_halo, logical, logical_param, token_features
+from flax_layers._sharding import (
+    causal_halo,
+    heads_sharded,
+    logical,
+    logical_param,
+    token_features,
+)
 from pallas_kernels import arguments
 
 
@@ -177,13 +183,18 @@ class Mamba2(nnx.Module):
         if self.rmsnorm:
             if not self.norm_before_gate:
                 y = y * gate
-            groups = y.reshape(*y.shape[:-1], self.ngroups, -1)
-            groups = groups * jax.lax.rsqrt(jnp.mean(groups**2, axis=-1, keepdims=True) + 1e-5)
-            y = groups.reshape(y.shape) * self.norm_weight[...].astype(jnp.float32)
+            if self.ngroups == 1:  # no reshape: y may be sharded over heads (a tensor axis)
+                y = y * jax.lax.rsqrt(jnp.mean(y**2, axis=-1, keepdims=True) + 1e-5)
+            else:
+                groups = y.reshape(*y.shape[:-1], self.ngroups, -1)
+                groups = groups * jax.lax.rsqrt(
+                    jnp.mean(groups**2, axis=-1, keepdims=True) + 1e-5)
+                y = groups.reshape(y.shape)
+            y = y * self.norm_weight[...].astype(jnp.float32)
             if self.norm_before_gate:
                 y = y * gate
         dtype = self.dtype or self.out_proj.kernel[...].dtype
-        return self.out_proj(y.astype(dtype))
+        return self.out_proj(y.astype(dtype), out_sharding=token_features(z))
 
     def __call__(self, u, *, seq_idx=None, decode=False):
         if decode:
@@ -206,9 +217,12 @@ class Mamba2(nnx.Module):
         SSM state) after the last token, in the histories' and float32), None for the
         latter unless `caches`."""
         x, b, c = self._ssd_inputs(self._conv(xbc, history, seq_idx))
+        if not caches:  # over a tensor axis the scan runs per head shard (the caches are whole)
+            x, dt = heads_sharded(x), heads_sharded(dt)
         y, final = pallas_kernels.mamba_chunk_scan_combined(
             x, dt, -jnp.exp(self.A_log[...]), b, c, self.chunk_size, D=self._d(),
-            z=None if self.rmsnorm else z.reshape(x.shape), dt_bias=self.dt_bias[...],
+            z=None if self.rmsnorm else z.reshape(x.shape),
+            dt_bias=self.dt_bias[...],
             initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True,
             dt_limit=self.dt_limit, return_final_states=True, implementation=self.implementation,
         )

@@ -163,8 +163,9 @@ def test_mfu_helpers():
     (["--override", "d_model=0"], "--override: d_model must be positive, got '0'"),
     (["--override", "num_layers=-2"], "--override: num_layers must be positive, got '-2'"),
     (["--resume", "--overwrite"], "argument --overwrite: not allowed with argument --resume"),
-    (["--mesh", "tensor=2"], "argument --mesh: must be AXIS=N pairs with AXIS one of ('data', "
-                             "'fsdp', 'context'), each once, got 'tensor=2'"),
+    (["--mesh", "pipeline=2"], "argument --mesh: must be AXIS=N pairs with AXIS one of "
+                               "('data', 'fsdp', 'context', 'tensor'), each once, got "
+                               "'pipeline=2'"),
     (["--mesh", "data=0"], "argument --mesh: must be a positive integer, got '0'"),
     (["--context-parallelism", "ulysses"], "argument --context-parallelism: invalid choice"),
 ])

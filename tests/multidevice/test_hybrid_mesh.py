@@ -1,7 +1,7 @@
 """HybridLM on 8 (simulated) devices: a train step's loss and every gradient on meshes with
-Explicit axes (batch over data, sequence over context, both; parameters over fsdp) equal one
-device's; the Mamba2 conv's history crosses sequence shards; the training example runs on a
-mesh and resumes on another; errors name what cannot be honoured.
+Explicit axes (batch over data, sequence over context, both; parameters over fsdp and tensor)
+equal one device's; the Mamba2 conv's history crosses sequence shards; the training example
+runs on a mesh and resumes on another; errors name what cannot be honoured.
 
 Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (`.ci/run` does).
 """
@@ -26,8 +26,9 @@ CONFIG = HybridLMConfig.preset("tiny", chunk_size=16)
 
 
 def _loss(model, tokens, segment_ids):
-    logits = model(tokens, segment_ids=segment_ids)
-    picked = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+    logits = model(tokens, segment_ids=segment_ids)  # over tensor: the vocabulary sharded
+    picked = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == tokens[..., None], logits, 0),
+                     axis=-1)
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
 
 
@@ -66,10 +67,11 @@ def test_train_step_equals_one_device(shape, names, spec, implementation, strate
         assert rel_error(got[...], want[...]) < 1e-5, path
 
 
-def test_fully_sharded_train_step_equals_one_device():
-    """Parameters sharded by `parameter_shardings` (the embedding dimension over fsdp),
-    gathered at the step's start: the gradients come back sharded as the parameters."""
-    graphdef, params = nnx.split(HybridLM(dataclasses.replace(CONFIG, implementation="xla"),
+def test_fully_sharded_tensor_parallel_train_step_equals_one_device():
+    """Parameters sharded by `parameter_shardings` (the embedding dimension over fsdp, heads,
+    MLP units and vocabulary over tensor), the fsdp shards gathered at the step's start: the
+    gradients come back sharded as the parameters."""
+    graphdef, params = nnx.split(HybridLM(dataclasses.replace(CONFIG, implementation="pallas"),
                                           rngs=nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(1), (8, 64), 0, CONFIG.vocab_size)
 
@@ -79,16 +81,18 @@ def test_fully_sharded_train_step_equals_one_device():
 
     step = jax.jit(jax.value_and_grad(loss))
     want_loss, want_grads = step(params, tokens)
-    mesh_ = mesh((2, 4), ("data", "fsdp"), explicit=True)
+    mesh_ = mesh((2, 2, 2), ("data", "fsdp", "tensor"), explicit=True)
     shardings = flax_layers.parameter_shardings(params, mesh_)
     with jax.set_mesh(mesh_):
         loss_, grads = step(jax.device_put(params, shardings),
                             jax.device_put(tokens, P(("data", "fsdp"))))
     assert abs(float(loss_) - float(want_loss)) < 1e-5 * float(want_loss)
     specs = {str(path): s.spec for path, s in nnx.to_flat_state(shardings)}
-    assert specs["('embed', 'embedding')"] == P(None, "fsdp")
+    assert specs["('embed', 'embedding')"] == P("tensor", "fsdp")
     assert specs["('blocks', 0, 'mixer', 'in_proj', 'kernel')"] == P("fsdp", None)
-    assert specs["('blocks', 0, 'mixer', 'A_log')"] == P(None)
+    assert specs["('blocks', 0, 'mixer', 'A_log')"] == P("tensor")
+    assert specs["('shared', 'attention', 'key', 'kernel')"] == P("fsdp", "tensor", None)
+    assert specs["('shared', 'down', 'kernel')"] == P("tensor", "fsdp")
     want = dict(nnx.to_flat_state(want_grads))
     for path, got in nnx.to_flat_state(grads):
         assert jax.typeof(got[...]).sharding.spec == specs[str(path)], path
@@ -112,7 +116,7 @@ def test_context_parallelism_is_checked_on_construction():
 def test_training_example_on_a_mesh_resumes_on_another_and_matches_one_device(tmp_path):
     """examples/train_hybrid_lm.py: 4 steps on one device; 2 on --mesh fsdp=4,context=2
     (parameters and optimizer state sharded, checkpoint too) and, from their checkpoint, 2 more
-    on --mesh data=4,context=2 (replicated) with ring attention: the same losses."""
+    on --mesh data=2,tensor=2,context=2 with ring attention: the same losses."""
     from test_train_example import TINY, trainer
 
     flags = [*TINY, "--sample-tokens", "0", "--eval-batches", "1", "--checkpoint-every", "2",
@@ -128,7 +132,7 @@ def test_training_example_on_a_mesh_resumes_on_another_and_matches_one_device(tm
                                               "--mesh", "fsdp=4,context=2"]))
     assert first["model"].embed.embedding[...].sharding.spec == P(None, "fsdp")
     trainer.train(trainer.parse_args([*flags, "--workdir", str(meshes), "--steps", "4",
-                                      "--resume", "--mesh", "data=4,context=2",
+                                      "--resume", "--mesh", "data=2,tensor=2,context=2",
                                       "--context-parallelism", "ring"]))
     want, got = losses(tmp_path / "one"), losses(meshes)
     assert len(got) == len(want) == 5
@@ -140,6 +144,8 @@ def test_training_example_on_a_mesh_resumes_on_another_and_matches_one_device(tm
     ("data=2,fsdp=4", "--batch-size 4 does not split over 8 data and fsdp devices (--mesh)"),
     ("context=8", "--seq-len 16 does not split over 8 context devices (--mesh) into pieces of "
                   "at least 3 tokens"),
+    ("tensor=4", "the model's attention kv heads (2) and Mamba2 groups (1, where more than one) "
+                 "must split over 4 tensor devices (--mesh)"),
 ])
 def test_training_example_mesh_errors(mesh_flag, message, tmp_path):
     from test_train_example import TINY, trainer
