@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from pallas_kernels import unzigzag, zigzag
+
 # Logical axis -> mesh axes (a name, a tuple, or None: whole). Parameters: the embedding
 # dimension over fsdp (gathered for the step: `gather_parameters`), attention heads, MLP hidden
 # units and the vocabulary over tensor (Megatron-style: kept sharded). Mamba2's packed
@@ -130,14 +132,78 @@ def causal_halo(fn, x, history, seq_idx, *weights):
                          check_vma=False)(*args)
 
 
-def on_whole_sequence(fn, x):
-    """`fn(x)` for (B, T) `x` (ids, positions: small) with T whole: gathered first where the
-    sequence is sharded on a mesh with Explicit axes; the result sharded as `x`."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    if sharding is None or len(sharding.spec) < 2 or sharding.spec[1] is None:
+def sequence_parts(x):
+    """How many devices shard the sequence (axis 1) of `x` on a mesh with Explicit axes: 1
+    elsewhere."""
+    sharding = _explicit_sharding(x)
+    if sharding is None or len(sharding.spec) < 2:
+        return 1
+    return math.prod(sharding.mesh.shape[a] for a in _names(sharding.spec[1]))
+
+
+def on_whole_sequence(fn, x, order="contiguous"):
+    """`fn(x)` for (B, T) `x` (ids, positions: small) with T whole and in natural order:
+    gathered (and, in zig-zag `order`, put back in natural order) first where the sequence is
+    sharded on a mesh with Explicit axes; the result in `x`'s order and sharding."""
+    parts = sequence_parts(x)
+    if parts == 1:
         return fn(x)
+    sharding = jax.typeof(x).sharding
     whole = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0], None))
-    return jax.sharding.reshard(fn(jax.sharding.reshard(x, whole)), sharding)
+    x = jax.sharding.reshard(x, whole)
+    if order == "zigzag":
+        return jax.sharding.reshard(zigzag(fn(unzigzag(x, parts)), parts), sharding)
+    return jax.sharding.reshard(fn(x), sharding)
+
+
+def reorder_sequence(x, source, target):
+    """`x` (B, T, ...) with its sequence sharded on a mesh with Explicit axes, moved from
+    `source` to `target` order ("contiguous" or "zigzag"; `pallas_kernels.zigzag`): each
+    device's two half shards go where the target order puts them, two collective-permutes of
+    half a shard each. Unchanged where the orders agree or the sequence is not sharded."""
+    parts = sequence_parts(x)
+    if source == target or parts == 1:
+        return x
+    sharding = jax.typeof(x).sharding
+    axis = sharding.spec[1]
+    if x.shape[1] % (2 * parts):
+        raise ValueError(f"the sequence ({x.shape[1]}) does not split into {2 * parts} equal "
+                         f"pieces over mesh axis {axis!r} (zigzag order)")
+    chunks = {"contiguous": [(2 * i, 2 * i + 1) for i in range(parts)],
+              "zigzag": [(i, 2 * parts - 1 - i) for i in range(parts)]}
+    moves = _half_moves(chunks[source], chunks[target])
+
+    def local(x):
+        index = jax.lax.axis_index(axis)
+        halves = jnp.split(x, 2, axis=1)
+        received = []
+        for group in moves:  # (source, destination, source half, destination half)
+            sent_half = jnp.asarray([m[2] for m in sorted(group)])[index]
+            sent = jnp.where(sent_half == 0, halves[0], halves[1])
+            got = jax.lax.ppermute(sent, axis, [(m[0], m[1]) for m in group])
+            by_destination = sorted(group, key=lambda m: m[1])
+            received.append((got, jnp.asarray([m[3] for m in by_destination])[index]))
+        (a, a_half), (b, _) = received
+        return jnp.concatenate([jnp.where(a_half == 0, a, b), jnp.where(a_half == 0, b, a)],
+                               axis=1)
+
+    spec = PartitionSpec(*sharding.spec)
+    return jax.shard_map(local, mesh=sharding.mesh, in_specs=spec, out_specs=spec,
+                         check_vma=False)(x)
+
+
+def _half_moves(source, target):
+    """Two collective-permutes moving chunks from `source` (per device, the chunks of its two
+    halves) to `target`: per permute, (source device, destination device, source half,
+    destination half), each device sending once and receiving once."""
+    place = {c: (d, h) for d, pair in enumerate(target) for h, c in enumerate(pair)}
+    every = [(s, *place[c][:1], h, place[c][1]) for s, pair in enumerate(source)
+             for h, c in enumerate(pair)]
+    for key in (3, 2):  # grouped by destination half, else by source half
+        groups = [[m for m in every if m[key] == half] for half in (0, 1)]
+        if all(len({m[0] for m in g}) == len({m[1] for m in g}) == len(source) for g in groups):
+            return groups
+    raise AssertionError("no two permutes move these chunks")  # not reached for the orders
 
 
 def _names(entry):

@@ -23,8 +23,8 @@ from flax_layers._checks import (
     check_implementation,
     check_sizes,
 )
-from flax_layers._sharding import logical, on_whole_sequence, token_features
-from pallas_kernels import arguments
+from flax_layers._sharding import logical, on_whole_sequence, sequence_parts, token_features
+from pallas_kernels import arguments, zigzag
 
 _WARNED = set()
 DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
@@ -154,7 +154,9 @@ class FlashMultiHeadAttention(nnx.Module):
     `pallas_kernels.dot_product_attention`, checked here with the kernel's own checks so that
     the forward and the decode path reject the same values) and rotary embeddings with base
     `rope_theta`. On a mesh whose sequence axis shards the tokens, `context_parallelism`
-    ("all_gather" or "ring") picks how the devices share keys and values. Every argument is
+    ("all_gather" or "ring") picks how the devices share keys and values, and
+    `sequence_order` says how the tokens lie on the devices ("contiguous", or "zigzag": put in
+    `pallas_kernels.zigzag` order once, with their segment ids; positions follow). Every argument is
     checked at construction (ValueError or TypeError naming it).
 
     `__call__(inputs_q (B, T, F), inputs_kv=None, *, q_segment_ids=None, kv_segment_ids=None,
@@ -183,6 +185,7 @@ class FlashMultiHeadAttention(nnx.Module):
         kernel_init=DEFAULT_KERNEL_INIT,
         implementation=None,
         context_parallelism="all_gather",
+        sequence_order="contiguous",
         rngs,
     ):
         qkv_features = in_features if qkv_features is None else qkv_features
@@ -194,6 +197,7 @@ class FlashMultiHeadAttention(nnx.Module):
         check_dtypes(dtype=dtype, param_dtype=param_dtype)
         check_implementation(implementation)
         self.context_parallelism = arguments.check_context_parallelism(context_parallelism)
+        self.sequence_order = arguments.check_sequence_order(sequence_order)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.in_features, self.out_features = in_features, out_features
         self.is_causal = is_causal
@@ -252,6 +256,7 @@ class FlashMultiHeadAttention(nnx.Module):
             local_window_size=self.local_window_size, logits_soft_cap=self.logits_soft_cap,
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
             implementation=self.implementation, context_parallelism=self.context_parallelism,
+            sequence_order=self.sequence_order,
         )
         return self.out(out, out_sharding=token_features(inputs_q))
 
@@ -267,11 +272,14 @@ class FlashMultiHeadAttention(nnx.Module):
         self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache
         return out
 
-    @staticmethod
-    def _positions(inputs, segment_ids):
+    def _positions(self, inputs, segment_ids):
+        """(B, T) positions of the tokens, in their order on the devices."""
         if segment_ids is not None:
-            return on_whole_sequence(segment_positions, segment_ids)
-        return jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape[:2])
+            return on_whole_sequence(segment_positions, segment_ids, self.sequence_order)
+        positions = jnp.arange(inputs.shape[1], dtype=jnp.int32)
+        if self.sequence_order == "zigzag":
+            positions = zigzag(positions, sequence_parts(inputs), axis=0)
+        return jnp.broadcast_to(positions, inputs.shape[:2])
 
     def attend_cached(self, inputs, cache):
         """Self-attention of new tokens (B, n, F) that continue `cache`: appends their keys and

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from flax_layers._checks import check_dtypes, check_implementation, check_sizes
-from flax_layers._sharding import logical, token_features
+from flax_layers._sharding import logical, reorder_sequence, token_features
 from flax_layers.attention import FlashMultiHeadAttention, KVCache, check_heads
 from flax_layers.mamba2 import Mamba2, mixer_shape
 from pallas_kernels import arguments
@@ -25,15 +25,18 @@ class HybridLMConfig:
     `num_layers`, what `FlashMultiHeadAttention` and `Mamba2` would reject (`num_kv_heads`
     not dividing `num_heads`, an odd `attn_head_dim` with `rope_theta`, `expand * d_model`
     not divisible by `ssm_head_dim`, heads not divisible by `ngroups`, `chunk_size` not a power
-    of two, ...), a `dtype` that is not a floating dtype or None, an unknown `implementation`
-    or `context_parallelism`.
+    of two, ...), a `dtype` that is not a floating dtype or None, an unknown `implementation`,
+    `context_parallelism` or `sequence_order`.
 
     On a mesh with Explicit axes (`jax.make_mesh`) the model follows its tokens' sharding:
-    batch (data parallelism) and sequence (context parallelism, contiguous shards) axes shard
-    every activation, the kernels run per shard and the Mamba2 conv takes its history from the
-    shard before. Parameters are where the caller puts them (`parameter_shardings` shards
-    them over fsdp and tensor; `gather_parameters` gathers fsdp before the forward). Over a
-    tensor axis the logits come out sharded over the vocabulary.
+    batch (data parallelism) and sequence (context parallelism) axes shard every activation,
+    the kernels run per shard and the Mamba2 conv takes its history from the shard before. With
+    `sequence_order="zigzag"` the tokens (and segment ids) come in `pallas_kernels.zigzag`
+    order, which balances causal attention; the Mamba2 blocks run on contiguous shards between
+    two reorders per use of the shared block, and the logits come out in the tokens' order.
+    Parameters are where the caller puts them (`parameter_shardings` shards them over fsdp and
+    tensor; `gather_parameters` gathers fsdp before the forward). Over a tensor axis the logits
+    come out sharded over the vocabulary.
     """
 
     vocab_size: int = 256
@@ -54,6 +57,7 @@ class HybridLMConfig:
     dtype: object = None
     implementation: str | None = None
     context_parallelism: str = "all_gather"  # attention's, where the sequence is sharded
+    sequence_order: str = "contiguous"  # or "zigzag": the tokens' order on the devices
 
     def __post_init__(self):
         check_sizes(vocab_size=self.vocab_size, num_layers=self.num_layers,
@@ -69,6 +73,7 @@ class HybridLMConfig:
         check_dtypes(dtype=self.dtype)
         check_implementation(self.implementation)
         arguments.check_context_parallelism(self.context_parallelism)
+        arguments.check_sequence_order(self.sequence_order)
 
     @classmethod
     def preset(cls, name, **overrides):
@@ -115,7 +120,8 @@ class _SharedBlock(nnx.Module):
             config.num_heads, 2 * d, config.num_heads * config.attn_head_dim, d,
             num_kv_heads=config.num_kv_heads, is_causal=True, rope_theta=config.rope_theta,
             dtype=config.dtype, implementation=config.implementation,
-            context_parallelism=config.context_parallelism, rngs=rngs,
+            context_parallelism=config.context_parallelism,
+            sequence_order=config.sequence_order, rngs=rngs,
         )
         self.mlp_norm = _rms_norm(d, config, rngs)
         self.up = nnx.Linear(d, config.mlp_hidden, dtype=config.dtype, rngs=rngs,
@@ -199,15 +205,23 @@ class HybridLM(nnx.Module):
         in_vocab = (tokens >= 0) & (tokens < self.config.vocab_size)  # (B, T)
         embeddings = self.embed(jnp.where(in_vocab, tokens, 0),
                                 out_sharding=token_features(tokens))
-        h = embeddings
+        # The Mamba2 blocks run on contiguous sequence shards, the shared block in the tokens'
+        # order (zig-zag balances causal attention): two reorders per use of it.
+        order = self.config.sequence_order
+        h = reorder_sequence(embeddings, order, "contiguous")
+        seq_idx = None if segment_ids is None else reorder_sequence(segment_ids, order,
+                                                                    "contiguous")
         for i, block in enumerate(self.blocks):
-            h = h + block.mixer(block.norm(h), seq_idx=segment_ids, decode=decode)
+            h = h + block.mixer(block.norm(h), seq_idx=seq_idx, decode=decode)
             if (i + 1) % self.config.shared_every == 0:
                 use = (i + 1) // self.config.shared_every - 1
                 cache = self.kv_caches[use].get() if decode else None
-                h, cache = self.shared(h, embeddings, segment_ids, cache)
+                h, cache = self.shared(reorder_sequence(h, "contiguous", order), embeddings,
+                                       segment_ids, cache)
+                h = reorder_sequence(h, order, "contiguous")
                 if decode:
                     self.kv_caches[use].set(cache)
+        h = reorder_sequence(h, "contiguous", order)
         h = jnp.where(in_vocab[..., None], h, jnp.nan)  # fused into the final norm
         return self.embed.attend(self.final_norm(h)).astype(jnp.float32)
 

@@ -18,6 +18,7 @@ from mesh_cases import mesh
 from numerics import rel_error
 
 import flax_layers
+import pallas_kernels
 from flax_layers import HybridLM, HybridLMConfig
 
 pytestmark = pytest.mark.multidevice
@@ -40,15 +41,20 @@ def _segments(batch, t):
     return jnp.asarray(ids)
 
 
-@pytest.mark.parametrize("shape, names, spec, implementation, strategy, with_segments", [
-    pytest.param((8,), ("data",), P("data"), "xla", "all_gather", False, id="data8-xla"),
+@pytest.mark.parametrize("shape, names, spec, implementation, strategy, order, with_segments", [
+    pytest.param((8,), ("data",), P("data"), "xla", "all_gather", "contiguous", False,
+                 id="data8-xla"),
     pytest.param((2, 4), ("data", "context"), P("data", "context"), "pallas", "all_gather",
-                 True, id="data2-context4-segments-pallas"),
-    pytest.param((8,), ("context",), P(None, "context"), "xla", "ring", True,
+                 "contiguous", True, id="data2-context4-segments-pallas"),
+    pytest.param((8,), ("context",), P(None, "context"), "xla", "ring", "contiguous", True,
                  id="context8-ring-segments-xla"),
+    pytest.param((2, 4), ("data", "context"), P("data", "context"), "xla", "ring", "zigzag",
+                 True, id="data2-context4-zigzag-ring-segments-xla"),
 ])
-def test_train_step_equals_one_device(shape, names, spec, implementation, strategy,
+def test_train_step_equals_one_device(shape, names, spec, implementation, strategy, order,
                                       with_segments):
+    """In zig-zag order the tokens and segment ids are reordered once, before the model; the
+    loss (a mean over tokens) and the gradients do not depend on the order."""
     config = dataclasses.replace(CONFIG, implementation=implementation,
                                  context_parallelism=strategy)
     model = HybridLM(config, rngs=nnx.Rngs(0))
@@ -58,6 +64,11 @@ def test_train_step_equals_one_device(shape, names, spec, implementation, strate
     want_loss, want_grads = step(model, tokens, segments)
 
     mesh_ = mesh(shape, names, explicit=True)
+    parts = mesh_.shape.get("context", 1)
+    if order == "zigzag":
+        model = HybridLM(dataclasses.replace(config, sequence_order=order), rngs=nnx.Rngs(0))
+        tokens, segments = (None if x is None else pallas_kernels.zigzag(x, parts)
+                            for x in (tokens, segments))
     with jax.set_mesh(mesh_):
         placed = [None if x is None else jax.device_put(x, spec) for x in (tokens, segments)]
         loss, grads = step(model, *placed)
@@ -108,9 +119,21 @@ def test_the_conv_history_must_fit_in_a_sequence_shard():
         model(jax.device_put(tokens, P(None, "context")))
 
 
-def test_context_parallelism_is_checked_on_construction():
+def test_context_parallelism_and_order_are_checked_on_construction():
     with pytest.raises(ValueError, match="context_parallelism must be one of"):
         dataclasses.replace(CONFIG, context_parallelism="ulysses")
+    with pytest.raises(ValueError, match="sequence_order must be one of"):
+        dataclasses.replace(CONFIG, sequence_order="striped")
+
+
+def test_zigzag_order_needs_two_pieces_per_device():
+    model = HybridLM(dataclasses.replace(CONFIG, implementation="xla", sequence_order="zigzag"),
+                     rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((1, 40), jnp.int32)  # 5 tokens per device: not two equal halves
+    needle = r"the sequence \(40\) does not split into 16 equal pieces over mesh axis 'context'"
+    with (jax.set_mesh(mesh((8,), ("context",), explicit=True)),
+          pytest.raises(ValueError, match=needle)):
+        model(jax.device_put(tokens, P(None, "context")))
 
 
 def test_training_example_on_a_mesh_resumes_on_another_and_matches_one_device(tmp_path):
