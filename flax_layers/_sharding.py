@@ -169,9 +169,12 @@ def reorder_sequence(x, source, target):
     if x.shape[1] % (2 * parts):
         raise ValueError(f"the sequence ({x.shape[1]}) does not split into {2 * parts} equal "
                          f"pieces over mesh axis {axis!r} (zigzag order)")
-    chunks = {"contiguous": [(2 * i, 2 * i + 1) for i in range(parts)],
-              "zigzag": [(i, 2 * parts - 1 - i) for i in range(parts)]}
-    moves = _half_moves(chunks[source], chunks[target])
+    natural = list(range(2 * parts))  # the 2 * parts chunks, two per device in each order
+    with jax.ensure_compile_time_eval():
+        zigzagged = [int(c) for c in zigzag(jnp.asarray(natural), parts, axis=0)]
+    chunks = {"contiguous": natural, "zigzag": zigzagged}
+    moves = _half_moves(*([tuple(chunks[o][2 * d:2 * d + 2]) for d in range(parts)]
+                          for o in (source, target)))
 
     def local(x):
         index = jax.lax.axis_index(axis)
@@ -197,7 +200,7 @@ def _half_moves(source, target):
     halves) to `target`: per permute, (source device, destination device, source half,
     destination half), each device sending once and receiving once."""
     place = {c: (d, h) for d, pair in enumerate(target) for h, c in enumerate(pair)}
-    every = [(s, *place[c][:1], h, place[c][1]) for s, pair in enumerate(source)
+    every = [(s, place[c][0], h, place[c][1]) for s, pair in enumerate(source)
              for h, c in enumerate(pair)]
     for key in (3, 2):  # grouped by destination half, else by source half
         groups = [[m for m in every if m[key] == half] for half in (0, 1)]
