@@ -64,12 +64,12 @@ def state_passing(compute, axis_name, parts, x, dt, A, B, C, D, z, dt_bias, init
             state = jnp.where(continues[:, None, None, None], state, 0.0)
     entering = jnp.stack(entering)[jax.lax.axis_index(axis_name)]  # (b, H, P, N)
 
-    per_group = heads // groups
+    per_group = heads // groups  # C . h in C's dtype, accumulated in float32, as the kernels do
     carried_out = jnp.einsum(
-        "btgn,bgkpn->btgkp", C.astype(dtype),
-        entering.reshape(batch, groups, per_group, head_dim, state_dim),
-        precision=jax.lax.Precision.HIGHEST,
-    ).reshape(x.shape) * decay[..., None]
+        "btgn,bgkpn->btgkp", C,
+        entering.reshape(batch, groups, per_group, head_dim, state_dim).astype(C.dtype),
+        preferred_element_type=jnp.float32,
+    ).astype(dtype).reshape(x.shape) * decay[..., None]
     if z is not None:
         carried_out = carried_out * jax.nn.silu(z.astype(dtype))
     return (y0.astype(dtype) + carried_out).astype(x.dtype), state
