@@ -32,8 +32,10 @@ def state_passing(compute, axis_name, parts, x, dt, A, B, C, D, z, dt_bias, init
     whole sequence's last token, the same on every device.
 
     `compute(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)` is the op on local
-    arrays, returning (y, final state).
+    arrays, returning (y, final state). With one device along the axis it is all there is.
     """
+    if parts == 1:
+        return compute(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
     dtype = semantics.compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states)
     batch, _, heads, head_dim = x.shape
     groups, state_dim = B.shape[2], B.shape[3]
