@@ -1,0 +1,75 @@
+"""What SSD context parallelism adds to one device's compute: the entering state's correction
+(cumulative decays, C . h in C's dtype, the merge into y) and the all-gathered state chain,
+timed on one GPU by standing in for the collectives (all_gather copies the local shard n
+times; the device is the last along the axis, so every correction is live).
+
+    python -m benchmarks.experiments.ssd_state_passing_cost [--parts 2] [--rounds 5]
+
+Prints the direct call and the state-passing path, forward+backward, amortised ms, at T 4096
+N 128 G 1 chunk 256 (b 4, 80 heads of 64), bf16.
+"""
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from benchmarks import _timing
+from pallas_kernels.mamba2 import checks, context
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--shape", default="4,4096,80", help="batch,T,heads")
+    args = parser.parse_args()
+    parts = args.parts
+    jax.lax.all_gather = lambda a, axis_name, **_: jnp.stack([a] * parts)  # the stand-ins
+    jax.lax.axis_index = lambda axis_name: jnp.int32(parts - 1)
+
+    (b, t, h), p, n = (int(v) for v in args.shape.split(",")), 64, 128
+    keys = jax.random.split(jax.random.key(0), 6)
+    x = jax.random.normal(keys[0], (b, t, h, p), jnp.bfloat16)
+    dt = (jax.random.normal(keys[1], (b, t, h)) * 0.5 - 1.0).astype(jnp.bfloat16)
+    A = -jnp.exp(jax.random.uniform(keys[2], (h,), minval=-1.0, maxval=1.5))
+    B, C = (jax.random.normal(k, (b, t, 1, n), jnp.bfloat16) for k in keys[3:5])
+    dy = jax.random.normal(keys[5], x.shape, jnp.bfloat16)
+    D, dt_bias = jnp.ones((h,)), jnp.zeros((h,))
+
+    def compute(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx):
+        return pallas_kernels.mamba_chunk_scan_combined(
+            x, dt, A, B, C, 256, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+            seq_idx=seq_idx, dt_softplus=True, return_final_states=True,
+            implementation="pallas")
+
+    def direct(x, dt, B, C):
+        return compute(x, dt, A, B, C, D, None, dt_bias, None, None)[0]
+
+    def passing(x, dt, B, C):
+        return context.state_passing(compute, "context", parts, x, dt, A, B, C, D, None,
+                                     dt_bias, None, None, dt_softplus=True,
+                                     dt_limit=checks.check_dt_limit((0.0, float("inf"))))[0]
+
+    def step(fn):
+        def run(x, dt, B, C, dy):
+            out, vjp = jax.vjp(fn, x, dt, B, C)
+            return out, *vjp(dy)
+        return jax.jit(run)
+
+    steps = {"direct": step(direct), "state passing": step(passing)}
+    for s in steps.values():
+        jax.block_until_ready(s(x, dt, B, C, dy))
+    times = {name: [] for name in steps}
+    for r in range(args.rounds):
+        for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
+            times[name].append(1e3 * _timing.amortised_seconds(steps[name], x, dt, B, C, dy))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"parts {parts}: direct {med['direct']:.3f} ms, state passing "
+          f"{med['state passing']:.3f} ms, ratio {med['state passing'] / med['direct']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
