@@ -162,9 +162,8 @@ def overhead(rounds):
 
 
 def _strong_scaling(section, make, lengths, variants, devices, rounds):
-    """Rows of one section: per T, the direct call on one device, then each variant on each
-    device count."""
-    rows = []
+    """Yields the rows of one section: per T, the direct call on one device, then each variant
+    on each device count."""
     for t in lengths:
         base = None
         try:
@@ -183,11 +182,10 @@ def _strong_scaling(section, make, lengths, variants, devices, rounds):
                            ideal_tokens_per_s=None if base is None else n * t / (base / 1e3),
                            efficiency=None if base is None else base / (n * ms),
                            bytes_per_device=step.bytes_per_device())
-                rows.append(row)
                 print(f"{section:9s} T{t:<7d} n{n} {name:24s} {ms:9.3f} ms "
                       f"{tokens / 1e6:8.3f} Mtok/s  efficiency "
                       f"{'-' if base is None else f'{row['efficiency']:.3f}'}", flush=True)
-    return rows
+                yield row
 
 
 def attention(devices, rounds, lengths):
@@ -228,22 +226,21 @@ def _train_step(n, preset, batch, seq_len):
 
 
 def train(devices, rounds, preset, batch, seq_len):
-    """Data-parallel weak scaling: the same rows per device on 1, 2, 4, ... devices."""
-    rows, base = [], None
+    """Yields data-parallel weak scaling's rows: the same batch rows per device on 1, 2, 4, ...
+    devices."""
+    base = None
     for n in devices:
         step = _train_step(n, preset, batch, seq_len)
         ms = _time({"step": step}, rounds)[0]["step"]
         base = ms if n == 1 else base
         tokens = n * batch * seq_len / (ms / 1e3)
-        rows.append(dict(section="train", seq_len=seq_len, devices=n,
-                         variant=f"{preset} data parallel, {batch} x {seq_len} per device",
-                         ms=ms, tokens_per_s=tokens, one_device_ms=base,
-                         ideal_tokens_per_s=n * batch * seq_len / (base / 1e3),
-                         efficiency=base / ms,
-                         bytes_per_device=step.bytes_per_device()))
         print(f"train     {preset} n{n} {ms:9.3f} ms {tokens / 1e6:8.3f} Mtok/s  efficiency "
               f"{base / ms:.3f}", flush=True)
-    return rows
+        yield dict(section="train", seq_len=seq_len, devices=n,
+                   variant=f"{preset} data parallel, {batch} x {seq_len} per device", ms=ms,
+                   tokens_per_s=tokens, one_device_ms=base,
+                   ideal_tokens_per_s=n * batch * seq_len / (base / 1e3), efficiency=base / ms,
+                   bytes_per_device=step.bytes_per_device())
 
 
 def _plot(path, rows):
@@ -307,21 +304,25 @@ def main(argv=None):
     payload = dict(environment=_timing.environment_info("benchmarks.scaling"),
                    rounds=args.rounds, devices=devices, attention_shape=ATTENTION,
                    ssd_shape=SSD)
-    rows = []
-    for section in args.sections:  # the file is rewritten after each section
-        if section == "overhead":
+    sections = {
+        "attention": lambda: attention(devices, args.rounds, args.attention_lengths),
+        "ssd": lambda: ssd(devices, args.rounds, args.ssd_lengths),
+        "train": lambda: train(devices, args.rounds, args.train_preset, args.train_batch,
+                               args.train_seq_len),
+    }
+    unknown = [s for s in args.sections if s != "overhead" and s not in sections]
+    if unknown:
+        raise SystemExit(f"--sections: unknown sections {unknown}")
+    rows = payload["scaling"] = []
+    path = str(out / f"scaling_{args.tag}.json")
+    for section in args.sections:  # the file is rewritten after every result: a cut run keeps
+        if section == "overhead":  # what it measured
             payload["overhead"] = overhead(args.rounds)
-        elif section == "attention":
-            rows += attention(devices, args.rounds, args.attention_lengths)
-        elif section == "ssd":
-            rows += ssd(devices, args.rounds, args.ssd_lengths)
-        elif section == "train":
-            rows += train(devices, args.rounds, args.train_preset, args.train_batch,
-                          args.train_seq_len)
-        else:
-            raise SystemExit(f"--sections: unknown section {section!r}")
-        payload["scaling"] = rows
-        _timing.write_json(str(out / f"scaling_{args.tag}.json"), payload)
+            _timing.write_json(path, payload)
+            continue
+        for row in sections[section]():
+            rows.append(row)
+            _timing.write_json(path, payload)
     _plot(out / f"scaling_{args.tag}.png", rows)
     print("\n| section | T | n | variant | ms | Mtok/s | efficiency | GiB per device |")
     print("|---|---|---|---|---|---|---|---|")
