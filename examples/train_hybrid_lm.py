@@ -814,10 +814,12 @@ def make_run_mesh(axes: dict[str, int] | None, batch_size: int, seq_len: int,
     if seq_len % context or seq_len // context < config.d_conv - 1:
         raise UsageError(f"--seq-len {seq_len} does not split over {context} context devices "
                          f"(--mesh) into pieces of at least {config.d_conv - 1} tokens")
-    tensor = axes.get("tensor", 1)
-    if config.num_kv_heads % tensor or (config.ngroups > 1 and config.ngroups % tensor):
-        raise UsageError(f"the model's attention kv heads ({config.num_kv_heads}) and Mamba2 "
-                         f"groups ({config.ngroups}, where more than one) must split over "
+    tensor = axes.get("tensor", 1)  # what does not split over it (MLP units, ...) stays whole
+    if config.num_kv_heads % tensor:
+        raise UsageError(f"the model's {config.num_kv_heads} attention kv heads do not split "
+                         f"over {tensor} tensor devices (--mesh)")
+    if config.ngroups > 1 and config.ngroups % tensor:
+        raise UsageError(f"the model's {config.ngroups} Mamba2 groups do not split over "
                          f"{tensor} tensor devices (--mesh)")
     return jax.make_mesh(tuple(axes.values()), tuple(axes),
                          axis_types=(AxisType.Explicit,) * len(axes),

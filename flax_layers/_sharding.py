@@ -245,11 +245,24 @@ def parameter_shardings(state, mesh, rules=LOGICAL_AXIS_RULES):
     return jax.tree.map(sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def sharded_parameters(module):
+    """The paths ("a.b.c") of `module`'s parameters that are sharded on a mesh with Explicit
+    axes."""
+    def sharded(variable):
+        sharding = _explicit_sharding(variable[...])
+        return sharding is not None and any(sharding.spec)
+
+    return [".".join(map(str, path)) for path, variable in
+            nnx.to_flat_state(nnx.state(module, nnx.Param)) if sharded(variable)]
+
+
 def gather_parameters(state, axes=GATHERED_AXES):
     """The parameters gathered over the mesh `axes` (None: all of them, the parameters whole on
     every device), on a mesh with Explicit axes; unchanged elsewhere. The default gathers what
     fully sharded data parallelism shards, at a step's start (the gradients come back
     reduce-scattered) and keeps tensor-parallel shards."""
+    axes = None if axes is None else _names(axes)
+
     def gathered(x):
         sharding = _explicit_sharding(x)
         if sharding is None or not any(sharding.spec):

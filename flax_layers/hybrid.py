@@ -10,7 +10,12 @@ import numpy as np
 from flax import nnx
 
 from flax_layers._checks import check_dtypes, check_implementation, check_sizes
-from flax_layers._sharding import logical, reorder_sequence, token_features
+from flax_layers._sharding import (
+    logical,
+    reorder_sequence,
+    sharded_parameters,
+    token_features,
+)
 from flax_layers.attention import FlashMultiHeadAttention, KVCache, check_heads
 from flax_layers.mamba2 import Mamba2, mixer_shape
 from pallas_kernels import arguments
@@ -206,30 +211,36 @@ class HybridLM(nnx.Module):
         embeddings = self.embed(jnp.where(in_vocab, tokens, 0),
                                 out_sharding=token_features(tokens))
         # The Mamba2 blocks run on contiguous sequence shards, the shared block in the tokens'
-        # order (zig-zag balances causal attention): two reorders per use of it.
+        # order (zig-zag balances causal attention); `h` is reordered only where they change.
         order = self.config.sequence_order
-        h = reorder_sequence(embeddings, order, "contiguous")
         seq_idx = None if segment_ids is None else reorder_sequence(segment_ids, order,
                                                                     "contiguous")
+        h, h_order = embeddings, order
         for i, block in enumerate(self.blocks):
+            h, h_order = reorder_sequence(h, h_order, "contiguous"), "contiguous"
             h = h + block.mixer(block.norm(h), seq_idx=seq_idx, decode=decode)
             if (i + 1) % self.config.shared_every == 0:
                 use = (i + 1) // self.config.shared_every - 1
                 cache = self.kv_caches[use].get() if decode else None
-                h, cache = self.shared(reorder_sequence(h, "contiguous", order), embeddings,
-                                       segment_ids, cache)
-                h = reorder_sequence(h, order, "contiguous")
+                h, h_order = reorder_sequence(h, h_order, order), order
+                h, cache = self.shared(h, embeddings, segment_ids, cache)
                 if decode:
                     self.kv_caches[use].set(cache)
-        h = reorder_sequence(h, "contiguous", order)
+        h = reorder_sequence(h, h_order, order)
         h = jnp.where(in_vocab[..., None], h, jnp.nan)  # fused into the final norm
         return self.embed.attend(self.final_norm(h)).astype(jnp.float32)
 
     def _check_decode(self, batch, new, segment_ids):
         """A ValueError, before any cache changes, unless `new` tokens of `batch` rows (without
-        segment ids) fit every cache (see `KVCache.check_fits`)."""
+        segment ids) fit every cache (see `KVCache.check_fits`) and the parameters are whole
+        (the decode path does not run tensor-parallel)."""
         if self.kv_caches is None:
             raise ValueError("decode=True needs init_cache(batch_size, max_length) first")
+        sharded = sharded_parameters(self)
+        if sharded:
+            raise ValueError(f"decode=True needs whole parameters; {sharded[0]} (and "
+                             f"{len(sharded) - 1} more) are sharded: merge the model from "
+                             "flax_layers.gather_parameters(state, axes=None)")
         if segment_ids is not None:
             raise ValueError("decode=True continues one sequence per row: it takes no "
                              "segment_ids")

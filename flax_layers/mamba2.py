@@ -217,12 +217,11 @@ class Mamba2(nnx.Module):
         SSM state) after the last token, in the histories' and float32), None for the
         latter unless `caches`."""
         x, b, c = self._ssd_inputs(self._conv(xbc, history, seq_idx))
-        if not caches:  # over a tensor axis the scan runs per head shard (the caches are whole)
-            x, dt = heads_sharded(x), heads_sharded(dt)
+        if not caches:  # training: over a tensor axis the scan runs per head shard (decoding
+            x, dt = heads_sharded(x), heads_sharded(dt)  # takes whole parameters)
         y, final = pallas_kernels.mamba_chunk_scan_combined(
             x, dt, -jnp.exp(self.A_log[...]), b, c, self.chunk_size, D=self._d(),
-            z=None if self.rmsnorm else z.reshape(x.shape),
-            dt_bias=self.dt_bias[...],
+            z=None if self.rmsnorm else z.reshape(x.shape), dt_bias=self.dt_bias[...],
             initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True,
             dt_limit=self.dt_limit, return_final_states=True, implementation=self.implementation,
         )

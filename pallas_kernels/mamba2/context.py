@@ -70,7 +70,7 @@ def state_passing(compute, axis_name, parts, x, dt, A, B, C, D, z, dt_bias, init
     carried_out = jnp.einsum(
         "btgn,bgkpn->btgkp", C,
         entering.reshape(batch, groups, per_group, head_dim, state_dim).astype(C.dtype),
-        preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
     ).astype(dtype).reshape(x.shape) * decay[..., None]
     if z is not None:
         carried_out = carried_out * jax.nn.silu(z.astype(dtype))

@@ -110,6 +110,25 @@ def test_fully_sharded_tensor_parallel_train_step_equals_one_device():
         assert rel_error(got[...], want[path][...]) < 1e-5, path
 
 
+def test_decoding_takes_whole_parameters():
+    """On a tensor mesh: from tensor-sharded parameters `generate` says what to do; from
+    parameters gathered whole it samples one device's tokens."""
+    graphdef, params = nnx.split(HybridLM(dataclasses.replace(CONFIG, implementation="xla"),
+                                          rngs=nnx.Rngs(0)))
+    prompt, key = jnp.arange(10, dtype=jnp.int32)[None], jax.random.key(0)
+    want = nnx.merge(graphdef, params).generate(prompt, 3, temperature=0, rng=key)
+    mesh_ = mesh((4, 2), ("data", "tensor"), explicit=True)
+    with jax.set_mesh(mesh_):
+        placed = jax.device_put(params, flax_layers.parameter_shardings(params, mesh_))
+        sharded = nnx.merge(graphdef, flax_layers.gather_parameters(placed))
+        with pytest.raises(ValueError, match=r"decode=True needs whole parameters; .* are "
+                                             r"sharded: .*gather_parameters\(state, axes=None\)"):
+            sharded.generate(prompt, 3, temperature=0, rng=key)
+        whole = nnx.merge(graphdef, flax_layers.gather_parameters(placed, axes=None))
+        got = whole.generate(prompt, 3, temperature=0, rng=key)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_the_conv_history_must_fit_in_a_sequence_shard():
     model = HybridLM(dataclasses.replace(CONFIG, implementation="xla"), rngs=nnx.Rngs(0))
     tokens = jnp.zeros((1, 16), jnp.int32)  # 2 tokens per device, the conv needs 3
@@ -167,8 +186,7 @@ def test_training_example_on_a_mesh_resumes_on_another_and_matches_one_device(tm
     ("data=2,fsdp=4", "--batch-size 4 does not split over 8 data and fsdp devices (--mesh)"),
     ("context=8", "--seq-len 16 does not split over 8 context devices (--mesh) into pieces of "
                   "at least 3 tokens"),
-    ("tensor=4", "the model's attention kv heads (2) and Mamba2 groups (1, where more than one) "
-                 "must split over 4 tensor devices (--mesh)"),
+    ("tensor=4", "the model's 2 attention kv heads do not split over 4 tensor devices (--mesh)"),
 ])
 def test_training_example_mesh_errors(mesh_flag, message, tmp_path):
     from test_train_example import TINY, trainer
