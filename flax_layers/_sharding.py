@@ -232,7 +232,8 @@ def parameter_shardings(state, mesh, rules=LOGICAL_AXIS_RULES):
     or `nnx.split`'s), from each parameter's logical axis names and `rules` ((logical name,
     mesh axes) pairs): a dimension is sharded over the rule's mesh axes that the mesh has and
     that divide it; every other dimension, and every parameter without names, is whole.
-    `jax.device_put(state, parameter_shardings(state, mesh))` places a model."""
+    `jax.device_put(state, parameter_shardings(state, mesh))` places a model. The Mamba2
+    scan's heads follow the default rules (`heads_sharded`) whatever `rules` say."""
     table = dict(rules)
 
     def sharding(variable):
