@@ -97,8 +97,7 @@ def causal_halo(fn, x, history, seq_idx, *weights):
     sharding = token_features(x)
     mesh, (batch, sequence) = sharding.mesh, sharding.spec[:2]
     width = history.shape[1]
-    parts = 1 if sequence is None else math.prod(
-        mesh.shape[a] for a in ((sequence,) if isinstance(sequence, str) else sequence))
+    parts = sequence_parts(x)
     if sequence is not None and width > x.shape[1] // parts:
         raise ValueError(f"the sequence shards ({x.shape[1] // parts} tokens over mesh axis "
                          f"{sequence!r}) must hold at least the conv's {width} history tokens")
