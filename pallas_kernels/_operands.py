@@ -14,7 +14,7 @@ import types
 
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _sharding
 
 
 class Operands:
@@ -56,9 +56,18 @@ def call(kernel, inputs, outputs, *, grid, num_warps, num_stages, interpret, nam
     def positional(*refs):
         kernel(bind(inputs, outputs, refs))
 
+    # Inside a shard_map with check_vma the outputs vary over every manual axis an input varies
+    # over (the kernel mixes its inputs); the inputs are marked so too.
+    axes = frozenset().union(*(_sharding.varying_axes(x) for x in inputs.values))
+    if axes and interpret:
+        raise NotImplementedError(
+            f"{name}: interpret mode cannot run inside a jax.shard_map with check_vma=True (jax's "
+            "Pallas interpreter does not type values that vary over manual axes); pass "
+            "check_vma=False to the shard_map, or implementation='xla', or run on a GPU")
     results = pl.pallas_call(
         positional, grid=grid, in_specs=inputs.specs, out_specs=outputs.specs,
-        out_shape=outputs.values, compiler_params=_compat.triton_params(num_warps, num_stages),
+        out_shape=[_sharding.varying_struct(s, axes) for s in outputs.values],
+        compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret, name=name,
-    )(*inputs.values)
+    )(*(_sharding.vary(x, axes) for x in inputs.values))
     return dict(zip(outputs.names, results, strict=True))

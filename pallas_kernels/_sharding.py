@@ -17,8 +17,12 @@ The placement of a call comes from, in this order:
   `jax.typeof(x).sharding` says how it is sharded.
 
 Inside a `jax.shard_map` whose axes are all Manual the arrays are already local and the op runs
-as it is. A sharded head dim (or other feature dim) raises a ValueError naming the argument
-and the mesh axis.
+as it is. With check_vma=True (jax's default) the kernels' outputs vary over the manual axes
+their inputs vary over (`varying_struct`), and each backward rule sums a gradient over the
+axes its input does not vary over (`cotangent_like`: a replicated parameter's gradient,
+reduced once). jax's Pallas interpreter cannot run there; interpret mode asks for
+check_vma=False. A sharded head dim (or other feature dim) raises a ValueError naming the
+argument and the mesh axis.
 """
 
 import dataclasses
@@ -178,3 +182,36 @@ def gather_sequence(x, axis_name, order, parts):
         return None
     x = jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
     return x if order == "contiguous" else unzigzag(x, parts)
+
+
+def varying_axes(x):
+    """The manual mesh axes x varies over inside a `jax.shard_map` with check_vma (a frozenset;
+    empty outside one)."""
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def vary(x, axes):
+    """x marked as varying over `axes` too (a no-op for axes it already varies over)."""
+    missing = tuple(sorted(frozenset(axes) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def varying_struct(struct, axes):
+    """A ShapeDtypeStruct like `struct` whose value varies over the manual mesh axes `axes`
+    (how a pallas_call inside a shard_map with check_vma says its outputs vary)."""
+    if not axes:
+        return struct
+    return jax.ShapeDtypeStruct(struct.shape, struct.dtype, manual_axis_type=jax.sharding.
+                                ManualAxisType(varying=frozenset(axes)))
+
+
+def cotangent_like(cotangent, primal):
+    """A custom_vjp rule's `cotangent` typed as its `primal` inside a shard_map with check_vma:
+    summed over the manual axes it varies over and the primal does not (a replicated parameter's
+    gradient, reduced once), marked varying over those the primal varies over. None stays None."""
+    if cotangent is None:
+        return None
+    extra = tuple(sorted(varying_axes(cotangent) - varying_axes(primal)))
+    if extra:
+        cotangent = jax.lax.psum(cotangent, extra)
+    return vary(cotangent, varying_axes(primal))

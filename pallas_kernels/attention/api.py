@@ -327,7 +327,8 @@ def _reference_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift):
 
 
 def _flash_attention_bwd(config, residuals, cotangents):
-    return _kernel_gradients(config, residuals, cotangents)
+    return tuple(map(_sharding.cotangent_like, _kernel_gradients(config, residuals, cotangents),
+                     residuals[:8]))
 
 
 def _backward_kernels(config, residuals, cotangents):

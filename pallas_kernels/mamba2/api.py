@@ -257,7 +257,9 @@ def _reference_ssd(config, x, dt, dt_bias, A, B, C, D, z, h0, seq):
 
 
 def _ssd_bwd(config, residuals, cotangents):
-    return _kernel_gradients(config, residuals, cotangents)
+    primals = residuals[:3] + residuals[5:12]  # x, dt, dt_bias, A, B, C, D, z, h0, seq
+    return tuple(map(_sharding.cotangent_like, _kernel_gradients(config, residuals, cotangents),
+                     primals))
 
 
 def _backward_kernels(config, residuals, cotangents):

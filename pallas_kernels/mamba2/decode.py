@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _device, _dispatch, _operands
+from pallas_kernels import _device, _dispatch, _operands, _sharding
 from pallas_kernels._operands import Operands
 from pallas_kernels.mamba2 import checks, reference, semantics
 
@@ -81,7 +81,7 @@ def _pallas_step_bwd(dt_softplus, dt_limit, interpret, args, cotangents):
     # One step is cheap: differentiate the jnp reference (same function) instead of a kernel.
     step = functools.partial(reference.selective_state_update, dt_softplus=dt_softplus,
                              dt_limit=dt_limit)
-    return jax.vjp(step, *args)[1](cotangents)
+    return tuple(map(_sharding.cotangent_like, jax.vjp(step, *args)[1](cotangents), args))
 
 
 _pallas_step.defvjp(_pallas_step_fwd, _pallas_step_bwd)

@@ -21,7 +21,7 @@ from ssd_cases import DIFFERENTIABLE
 from ssd_cases import make_inputs as ssd_inputs
 
 import pallas_kernels
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _sharding
 
 pytestmark = pytest.mark.multidevice
 
@@ -254,3 +254,92 @@ def test_inside_a_shard_map_the_ops_run_on_the_local_shards():
                                 check_vma=False))(q)
     want = pallas_kernels.dot_product_attention(q, q, q, implementation="pallas")
     assert rel_error(out, want) < 1e-6
+
+
+@pytest.mark.parametrize("platform, device_kind", [("cuda", "NVIDIA H200"), ("rocm", "gfx942")])
+def test_inside_a_shard_map_with_check_vma_the_kernels_lower_and_reduce_replicated_gradients(
+        platform, device_kind):
+    """A user's shard_map with check_vma=True (jax's default) over 8 abstract GPUs: the
+    kernels' outputs and gradients carry the types check_vma asks for, and the gradient of a
+    parameter replicated over the batch axis (the SSD's A) is summed over it once, inside the
+    backward rule."""
+    mesh = _compat.abstract_gpu_mesh(device_kind, platform, (4, 2), ("data", "tensor"),
+                                     axis_types=(AxisType.Explicit,) * 2)
+    tokens = P("data", None, "tensor")
+
+    def struct(shape, spec, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    def attention_step(q, k, v):
+        out, vjp = jax.vjp(functools.partial(pallas_kernels.dot_product_attention,
+                                             is_causal=True), q, k, v)
+        return vjp(out)
+
+    def ssd_step(x, dt, A, B, C):
+        def loss(x, dt, A):
+            y = pallas_kernels.mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=256,
+                                                         dt_softplus=True)
+            return jnp.sum(y.astype(jnp.float32))
+
+        dx, ddt, dA = jax.grad(loss, argnums=(0, 1, 2))(x, dt, A)
+        assert not _sharding.varying_axes(dA) & {"data"}  # reduced over the batch shards
+        return dx, ddt, dA
+
+    steps = [
+        (attention_step, (struct((8, 1024, 16, 128), tokens),) * 3, (tokens,) * 3,
+         (tokens,) * 3),
+        (ssd_step, (struct((8, 1024, 16, 64), tokens), struct((8, 1024, 16), tokens),
+                    struct((16,), P("tensor"), jnp.float32), struct((8, 1024, 1, 128), P("data")),
+                    struct((8, 1024, 1, 128), P("data"))),
+         (tokens, tokens, P("tensor"), P("data"), P("data")), (tokens, tokens, P("tensor"))),
+    ]
+    with jax.sharding.use_abstract_mesh(mesh):
+        for step, args, in_specs, out_specs in steps:
+            mapped = jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+            text = jax.jit(mapped).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+            assert "__gpu$xla.gpu.triton" in text
+    reduces = [line for line in text.splitlines() if "all_reduce" in line]  # the SSD's
+    assert len(reduces) == 1 and 'name = "data"' in reduces[0], reduces  # dA, over "data"
+
+
+def test_a_custom_vjp_cotangent_takes_its_primal_type_under_check_vma():
+    """`_sharding.cotangent_like`, as the kernels' backward rules use it, against jax's own
+    transpose of the same function: a weight replicated over the shards gets the sum of their
+    gradients, a sharded input its own."""
+    mesh = _mesh("8", explicit=False)
+
+    @jax.custom_vjp
+    def scale(w, x):
+        return x * w
+
+    def scale_fwd(w, x):
+        return scale(w, x), (w, x)
+
+    def scale_bwd(residuals, dy):
+        w, x = residuals
+        dw, dx = jnp.sum(dy * x, axis=0), dy * w  # dw varies over "data"; w does not
+        return _sharding.cotangent_like(dw, w), _sharding.cotangent_like(dx, x)
+
+    scale.defvjp(scale_fwd, scale_bwd)
+    w = jax.random.normal(jax.random.key(1), (4,))
+    x = jax.random.normal(jax.random.key(2), (16, 4))
+
+    def gradients(fn):
+        loss = jax.shard_map(lambda w, x: jax.lax.psum(jnp.sum(fn(w, x) ** 2), "data"),
+                             mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(w, x)
+
+    got, want = gradients(scale), gradients(lambda w, x: x * w)
+    for g, r in zip(got, want, strict=True):
+        assert rel_error(g, r) < 1e-6
+
+
+def test_interpret_mode_inside_a_shard_map_with_check_vma_says_what_to_do():
+    mesh = _mesh("8", explicit=False)
+    q = jnp.zeros((8, 16, 4, 16))
+
+    def local(q):
+        return pallas_kernels.dot_product_attention(q, q, q, implementation="pallas")
+
+    with pytest.raises(NotImplementedError, match="check_vma=False"):
+        jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(q)
