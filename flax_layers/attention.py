@@ -111,38 +111,68 @@ def segment_positions(segment_ids):
 
 
 class KVCache(NamedTuple):
-    """Keys and values (B, L, K, H) and how many positions are filled (() int32).
+    """A decode cache: keys and values, dense (B, L, K, H) or paged (pages, page_size, K, H)
+    with `block_table` (B, pages per row); how many positions of each row are filled,
+    `lengths` (B,) int32; for 8-bit caches the float32 scales per token and KV head, `k_scale`
+    and `v_scale` (the cache's shape without H), else None. See
+    `pallas_kernels.attention_with_kv_cache`.
 
-    The batch B and the capacity L are the arrays' static shapes.
+    The batch and the capacity are static: the arrays' shapes.
     """
 
     keys: jax.Array
     values: jax.Array
-    index: jax.Array
+    lengths: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+    block_table: jax.Array | None = None
 
     @property
     def batch(self):
-        return self.keys.shape[0]
+        return self.lengths.shape[0]
 
     @property
     def capacity(self):
-        return self.keys.shape[1]
+        if self.block_table is None:
+            return self.keys.shape[1]
+        return self.block_table.shape[1] * self.keys.shape[1]
 
     def check_fits(self, batch, new):
         """A ValueError unless `new` tokens of `batch` rows fit after the filled positions.
 
-        The batch and the capacity are static and always checked; the fill index only where its
-        value is known (eager use). Under jit see `FlashMultiHeadAttention.attend_cached`.
+        The batch and the capacity are static and always checked; the lengths only where their
+        values are known (eager use). Under jit see `FlashMultiHeadAttention.attend_cached`.
         """
         if batch != self.batch:
             raise ValueError(f"batch {batch} does not match the KV cache's batch {self.batch}")
         if new > self.capacity:
             raise ValueError(f"KV cache holds {self.capacity} positions; {new} new tokens do not "
                              "fit")
-        filled = arguments.known_value(self.index)
-        if filled is not None and filled + new > self.capacity:
-            raise ValueError(f"KV cache holds {self.capacity} positions; {int(filled)} are filled "
-                             f"and {new} new tokens do not fit")
+        filled = arguments.known_value(self.lengths)
+        if filled is not None and int(filled.max()) + new > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; {int(filled.max())} are "
+                             f"filled and {new} new tokens do not fit")
+
+
+def empty_kv_cache(batch, max_length, kv_heads, head_dim, dtype=jnp.float32, page_size=None):
+    """An empty KVCache for `batch` rows of at least `max_length` positions: dense, its capacity
+    rounded up to a multiple of 16 (the kernel reads it in place), or in pages of `page_size`
+    (a power of two >= 16), each row owning its own run of pages. 8-bit dtypes (int8,
+    float8_e4m3fn, float8_e4m3fnuz) get per token-head scales."""
+    check_sizes(batch=batch, max_length=max_length)
+    block_table = None
+    if page_size is None:
+        shape = (batch, -(-max_length // 16) * 16, kv_heads, head_dim)
+    else:
+        if not isinstance(page_size, int) or page_size < 16 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= 16, got {page_size!r}")
+        per_row = -(-max_length // page_size)
+        shape = (batch * per_row, page_size, kv_heads, head_dim)
+        block_table = jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row)
+    scaled = jnp.dtype(dtype).itemsize == 1
+    scales = [jnp.zeros(shape[:-1], jnp.float32) if scaled else None for _ in range(2)]
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.zeros((batch,), jnp.int32), *scales, block_table)
 
 
 class FlashMultiHeadAttention(nnx.Module):
@@ -222,23 +252,18 @@ class FlashMultiHeadAttention(nnx.Module):
                                 kv_heads)
         self.out = projection((num_heads, self.head_dim), self.out_features, (-2, -1), heads,
                               ("embed",))
-        self.cached_key = nnx.data(None)
-        self.cached_value = nnx.data(None)
-        self.cache_index = nnx.data(None)
+        self.cache = nnx.data(None)
 
-    def empty_cache(self, batch, max_length, dtype=jnp.float32):
-        """An empty KVCache (batch, max_length, K, H) for `attend_cached` (a cache held outside
-        this module)."""
-        check_sizes(batch=batch, max_length=max_length)
-        shape = (batch, max_length, self.num_kv_heads, self.head_dim)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.array(0, jnp.int32))
+    def empty_cache(self, batch, max_length, dtype=jnp.float32, page_size=None):
+        """An empty KVCache of this layer's KV heads for `attend_cached` (a cache held outside
+        this module); see `empty_kv_cache` for `dtype` and `page_size`."""
+        return empty_kv_cache(batch, max_length, self.num_kv_heads, self.head_dim, dtype,
+                              page_size)
 
-    def init_cache(self, input_shape, dtype=jnp.float32):
+    def init_cache(self, input_shape, dtype=jnp.float32, page_size=None):
         """Allocates the module's KV cache for input_shape = (batch, max_length, features)."""
-        cache = self.empty_cache(input_shape[0], input_shape[1], dtype)
-        self.cached_key = nnx.Cache(cache.keys)
-        self.cached_value = nnx.Cache(cache.values)
-        self.cache_index = nnx.Cache(cache.index)
+        self.cache = KVCacheSlot(self.empty_cache(input_shape[0], input_shape[1], dtype,
+                                                  page_size))
 
     def __call__(self, inputs_q, inputs_kv=None, *, q_segment_ids=None, kv_segment_ids=None,
                  decode=None):
@@ -265,11 +290,10 @@ class FlashMultiHeadAttention(nnx.Module):
         if inputs_kv is not None or q_segment_ids is not None or kv_segment_ids is not None:
             raise ValueError("decode=True is self-attention of one sequence per row: it takes no "
                              "inputs_kv, q_segment_ids or kv_segment_ids")
-        if self.cached_key is None:
+        if self.cache is None:
             raise ValueError("decode=True needs init_cache(input_shape) first")
-        cache = KVCache(self.cached_key[...], self.cached_value[...], self.cache_index[...])
-        out, cache = self.attend_cached(inputs, cache)
-        self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache
+        out, cache = self.attend_cached(inputs, self.cache.get())
+        self.cache.set(cache)
         return out
 
     def _positions(self, inputs, segment_ids):
@@ -281,67 +305,97 @@ class FlashMultiHeadAttention(nnx.Module):
             positions = zigzag(positions, sequence_parts(inputs), axis=0)
         return jnp.broadcast_to(positions, inputs.shape[:2])
 
-    def attend_cached(self, inputs, cache):
-        """Self-attention of new tokens (B, n, F) that continue `cache`: appends their keys and
-        values at cache.index and attends over the filled part. Returns (out (B, n,
+    def attend_cached(self, inputs, cache, *, new_lengths=None, fresh=False):
+        """Self-attention of new tokens (B, n, F) that continue `cache`: writes their keys and
+        values after each row's filled positions (`pallas_kernels.update_kv_cache`, which
+        quantises for 8-bit caches) and attends over the row's keys up to each token
+        (`pallas_kernels.attention_with_kv_cache`, in pieces of 16 tokens). Returns (out (B, n,
         out_features), new cache).
 
-        A batch other than the cache's, or more than its capacity of new tokens, is a ValueError;
-        so is a call past the capacity where the fill index is known (eager). Under jit it is
-        not: a call whose tokens do not fit leaves the keys and values unchanged and returns NaN
-        outputs, and the index still advances, so every later call returns NaN too (never a
-        silently wrong value).
+        `new_lengths` (B,) says how many of the n tokens of each row are real (a ragged prompt,
+        padded at the end); the rest are written but not counted, so the next tokens overwrite
+        them, and their outputs mean nothing. Default: all n. With `fresh` the cache is known
+        to be empty (a prefill): the tokens attend to each other through the FlashAttention
+        kernel instead.
+
+        Decoding is causal: a layer without `is_causal` raises a ValueError. A batch other than
+        the cache's, or more than its capacity of new tokens, is a ValueError; so is a call past
+        the capacity where the lengths are known (eager). Under jit they are not: a row whose
+        tokens do not fit keeps its keys and values and gets NaN outputs, and its length still
+        advances, so its later calls give NaN too (never a silently wrong value).
         """
+        if not self.is_causal:
+            raise ValueError("decode=True needs a causal layer (is_causal=True)")
         batch, new = inputs.shape[:2]
         cache.check_fits(batch, new)
+        real = jnp.full((batch,), new, jnp.int32) if new_lengths is None else new_lengths
         query, key, value = self.query(inputs), self.key(inputs), self.value(inputs)
-        start = cache.index
-        fits = start + new <= cache.capacity
-        positions = jnp.broadcast_to(start + jnp.arange(new, dtype=jnp.int32), (batch, new))
         if self.rope_theta is not None:
+            positions = cache.lengths[:, None] + jnp.arange(new, dtype=jnp.int32)
             query = rotary_embedding(query, positions, self.rope_theta)
             key = rotary_embedding(key, positions, self.rope_theta)
-        keys = _write_if(fits, cache.keys, key, start)
-        values = _write_if(fits, cache.values, value, start)
-        out = cached_attention(
-            query, keys, values, positions[0], start + new,
-            band=arguments.band(self.is_causal, self.local_window_size),
-            logits_soft_cap=self.logits_soft_cap,
-        )
-        out = jnp.where(fits, self.out(out), jnp.nan)
-        return out, KVCache(keys, values, start + new)
+        fits = cache.lengths + new <= cache.capacity  # (B,)
+        keys, values, k_scale, v_scale = pallas_kernels.update_kv_cache(
+            cache.keys, cache.values, key, value,
+            jnp.where(fits, cache.lengths, cache.capacity),  # a row that does not fit: dropped
+            block_table=cache.block_table, k_scale=cache.k_scale, v_scale=cache.v_scale)
+        written = KVCache(keys, values, cache.lengths + real, k_scale, v_scale,
+                          cache.block_table)
+        options = dict(local_window_size=self.local_window_size,
+                       logits_soft_cap=self.logits_soft_cap, implementation=self.implementation)
+        if fresh:
+            out = pallas_kernels.dot_product_attention(
+                query, key, value, is_causal=True, query_seq_lengths=real,
+                key_value_seq_lengths=real, **options)
+        else:
+            out = _attention_over_cache(query, written, jnp.minimum(cache.lengths + new,
+                                                                    cache.capacity), options)
+        out = jnp.where(fits[:, None, None], self.out(out), jnp.nan)
+        return out, written
 
 
-def _write_if(fits, buffer, update, start):
-    """buffer (B, L, K, H) with update (B, n, K, H) written at position `start` when `fits`
-    (a () bool), else unchanged; either way only n positions are read and written."""
-    index = (0, start, 0, 0)
-    kept = jax.lax.dynamic_slice(buffer, index, update.shape)
-    return jax.lax.dynamic_update_slice(
-        buffer, jnp.where(fits, update.astype(buffer.dtype), kept), index)
+class KVCacheSlot(nnx.Module):
+    """A KVCache held as nnx.Cache variables (its None fields stay None)."""
+
+    def __init__(self, cache):
+        self.fields = nnx.data(tuple(name for name, value in cache._asdict().items()
+                                     if value is not None))
+        for name in self.fields:
+            setattr(self, name, nnx.Cache(getattr(cache, name)))
+
+    def get(self):
+        return KVCache(**{name: getattr(self, name)[...] for name in self.fields})
+
+    def set(self, cache):
+        for name in self.fields:
+            getattr(self, name)[...] = getattr(cache, name)
 
 
-def cached_attention(query, keys, values, query_positions, filled, *, band, logits_soft_cap):
-    """Attention of new queries over a KV cache, in jnp (decode is bandwidth-bound).
+_NEW_TOKENS_PER_CALL = 16  # what attention_with_kv_cache takes at once
 
-    query (B, n, N, H) at absolute `query_positions` (n,); keys/values (B, L, K, H) of which the
-    first `filled` are valid. The band of `masking` applies to absolute positions, so a
-    multi-token step stays causal inside itself. Returns (B, n, N, H) in the query's dtype.
-    """
-    b, n, heads, h = query.shape
-    k_heads = keys.shape[2]
-    q = query.astype(jnp.float32).reshape(b, n, k_heads, heads // k_heads, h)
-    logits = jnp.einsum("bnkgh,blkh->bkgnl", q, keys.astype(jnp.float32)) * h**-0.5
-    if logits_soft_cap is not None:
-        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
-    visible = arguments.visible(
-        query_positions[:, None], jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :],
-        band=band, row_len=jnp.iinfo(jnp.int32).max, col_len=filled,
-    )
-    logits = jnp.where(visible, logits, -jnp.inf)
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bkgnl,blkh->bnkgh", probs, values.astype(jnp.float32))
-    return out.reshape(b, n, heads, h).astype(query.dtype)
+
+def _attention_over_cache(query, cache, ends, options):
+    """Queries (B, n, N, H) of the last n positions before `ends` (B,) over `cache`: at most 16
+    at a time, the pieces aligned to the end (the first piece's extra queries, before the new
+    tokens, see only written keys and are dropped)."""
+    batch, new = query.shape[:2]
+    step = _NEW_TOKENS_PER_CALL
+    arrays = dict(k_cache=cache.keys, v_cache=cache.values, block_table=cache.block_table,
+                  k_scale=cache.k_scale, v_scale=cache.v_scale)
+    if new <= step:
+        return pallas_kernels.attention_with_kv_cache(query, cache_seqlens=ends, **arrays,
+                                                      **options)
+    pieces = -(-new // step)
+    padded = jnp.pad(query, ((0, 0), (pieces * step - new, 0), (0, 0), (0, 0)))
+    padded = padded.reshape(batch, pieces, step, *query.shape[2:]).swapaxes(0, 1)
+    piece_ends = jnp.maximum(ends[None, :] - step * jnp.arange(pieces - 1, -1, -1)[:, None], 0)
+
+    def piece(args):
+        q, end = args
+        return pallas_kernels.attention_with_kv_cache(q, cache_seqlens=end, **arrays, **options)
+
+    out = jax.lax.map(piece, (padded, piece_ends))  # (pieces, B, step, N, H)
+    return out.swapaxes(0, 1).reshape(batch, pieces * step, *query.shape[2:])[:, -new:]
 
 
 # ---------------------------------------------------------------------------------------------

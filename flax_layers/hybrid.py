@@ -1,6 +1,7 @@
 """A Zamba2-style hybrid language model: Mamba2 blocks and one shared attention + MLP block."""
 
 import dataclasses
+import functools
 import math
 import numbers
 
@@ -16,7 +17,7 @@ from flax_layers._sharding import (
     sharded_parameters,
     token_features,
 )
-from flax_layers.attention import FlashMultiHeadAttention, KVCache, check_heads
+from flax_layers.attention import FlashMultiHeadAttention, KVCacheSlot, check_heads
 from flax_layers.mamba2 import Mamba2, mixer_shape
 from pallas_kernels import arguments
 
@@ -135,28 +136,15 @@ class _SharedBlock(nnx.Module):
                                kernel_metadata=logical("mlp", "embed"),
                                bias_metadata=logical("embed"))
 
-    def __call__(self, h, embeddings, segment_ids, cache):
+    def __call__(self, h, embeddings, segment_ids, cache, lengths=None, fresh=False):
         x = self.attn_norm(jnp.concatenate([h, embeddings], axis=-1))
         if cache is None:
             h = h + self.attention(x, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
         else:
-            out, cache = self.attention.attend_cached(x, cache)
+            out, cache = self.attention.attend_cached(x, cache, new_lengths=lengths, fresh=fresh)
             h = h + out
         hidden = jax.nn.gelu(self.up(self.mlp_norm(h)))
         return h + self.down(hidden, out_sharding=token_features(h)), cache
-
-
-class _CacheSlot(nnx.Module):
-    """A KVCache held as nnx.Cache variables (one per use of the shared block)."""
-
-    def __init__(self, cache):
-        self.keys, self.values, self.index = (nnx.Cache(x) for x in cache)
-
-    def get(self):
-        return KVCache(self.keys[...], self.values[...], self.index[...])
-
-    def set(self, cache):
-        self.keys[...], self.values[...], self.index[...] = cache
 
 
 class HybridLM(nnx.Module):
@@ -169,12 +157,13 @@ class HybridLM(nnx.Module):
     them see id 0 there).
 
     A call without `decode` never touches the caches. With `decode=True` (after `init_cache`)
-    the tokens (no segment ids) continue the cached sequence; a prompt is prefilled the same
-    way. A batch other than the caches', more tokens than they hold, or (eagerly) tokens past
-    their capacity are a ValueError, raised before any cache changes. Inside jit the fill is
-    not known: a call that does not fit leaves the KV caches unchanged and gives NaN logits,
-    and so does every later call (the Mamba2 states then hold no meaningful values) until
-    `init_cache`. `generate` sizes its caches so that this never happens.
+    the tokens (no segment ids) continue each row's cached sequence; `lengths` (B,) says how
+    many of each row's tokens are real (a ragged prompt, padded at the end; default all). A
+    batch other than the caches', more tokens than they hold, or (eagerly) tokens past their
+    capacity are a ValueError, raised before any cache changes. Inside jit the fill is not
+    known: a row that does not fit keeps its KV caches and gets NaN logits, and so does every
+    later call for it (its Mamba2 states then hold no meaningful values) until `init_cache`.
+    `generate` sizes its caches so that this never happens.
     """
 
     def __init__(self, config, *, rngs):
@@ -191,22 +180,37 @@ class HybridLM(nnx.Module):
         self.final_norm = _rms_norm(config.d_model, config, rngs)
         self.kv_caches = nnx.data(None)
 
-    def init_cache(self, batch_size, max_length):
-        """Empty decode caches for `batch_size` rows of up to `max_length` tokens: conv/SSM
-        states per Mamba2 block, a KV cache (batch_size, max_length, K, H) per shared use."""
+    def init_cache(self, batch_size, max_length, *, dtype=None, kv_dtype=None, page_size=None):
+        """Empty decode caches for `batch_size` rows of up to `max_length` tokens: per Mamba2
+        block a conv state (in `dtype`, default the model's) and an SSM state (float32); per use
+        of the shared block a KV cache of `kv_dtype` (default `dtype`; int8, float8_e4m3fn or
+        float8_e4m3fnuz store 8-bit entries with a scale per token and head), dense or in pages
+        of `page_size` tokens (`flax_layers.attention.empty_kv_cache`)."""
         check_sizes(batch_size=batch_size, max_length=max_length)
+        dtype = jnp.dtype(dtype or self.config.dtype or jnp.float32)
+        kv_dtype = jnp.dtype(kv_dtype or dtype)
         for block in self.blocks:
-            block.mixer.init_cache(batch_size)
+            block.mixer.init_cache(batch_size, dtype)
         uses = self.config.num_layers // self.config.shared_every
         self.kv_caches = nnx.List([
-            _CacheSlot(self.shared.attention.empty_cache(batch_size, max_length))
+            KVCacheSlot(self.shared.attention.empty_cache(batch_size, max_length, kv_dtype,
+                                                          page_size))
             for _ in range(uses)
         ])
 
-    def __call__(self, tokens, *, segment_ids=None, decode=False):
+    def __call__(self, tokens, *, segment_ids=None, decode=False, lengths=None):
+        return self._forward(tokens, segment_ids, decode, lengths, fresh=False)
+
+    def _forward(self, tokens, segment_ids, decode, lengths, fresh):
+        """`__call__`; with `fresh` (the caches were just initialised: a prefill) the shared
+        block's attention runs the FlashAttention kernel over the prompt itself."""
         _check_tokens("tokens", tokens, self.config.vocab_size)
         if decode:
             self._check_decode(*tokens.shape, segment_ids)
+        if lengths is not None:
+            if not decode:
+                raise ValueError("lengths is for decode=True (a forward takes segment_ids)")
+            lengths = _check_lengths(lengths, *tokens.shape)
         in_vocab = (tokens >= 0) & (tokens < self.config.vocab_size)  # (B, T)
         embeddings = self.embed(jnp.where(in_vocab, tokens, 0),
                                 out_sharding=token_features(tokens))
@@ -218,12 +222,12 @@ class HybridLM(nnx.Module):
         h, h_order = embeddings, order
         for i, block in enumerate(self.blocks):
             h, h_order = reorder_sequence(h, h_order, "contiguous"), "contiguous"
-            h = h + block.mixer(block.norm(h), seq_idx=seq_idx, decode=decode)
+            h = h + block.mixer(block.norm(h), seq_idx=seq_idx, decode=decode, lengths=lengths)
             if (i + 1) % self.config.shared_every == 0:
                 use = (i + 1) // self.config.shared_every - 1
                 cache = self.kv_caches[use].get() if decode else None
                 h, h_order = reorder_sequence(h, h_order, order), order
-                h, cache = self.shared(h, embeddings, segment_ids, cache)
+                h, cache = self.shared(h, embeddings, segment_ids, cache, lengths, fresh)
                 if decode:
                     self.kv_caches[use].set(cache)
         h = reorder_sequence(h, h_order, order)
@@ -249,15 +253,29 @@ class HybridLM(nnx.Module):
         for slot in self.kv_caches:
             slot.get().check_fits(batch, new)
 
-    def generate(self, prompt_tokens, max_new_tokens, *, temperature=1.0, rng):
-        """Samples `max_new_tokens` after `prompt_tokens` through the decode caches, which it
-        (re)initialises to hold the prompt and the new tokens.
+    def generate(self, prompt_tokens, max_new_tokens, *, temperature=1.0, top_k=None,
+                 top_p=None, rng, prompt_lengths=None, stop_tokens=None, kv_dtype=None,
+                 page_size=None):
+        """Samples up to `max_new_tokens` after each row's prompt, in one compiled call: the
+        prompts run through the model once (the prefill: FlashAttention and the chunked SSD,
+        writing the KV caches, conv and SSM states), then a `lax.while_loop` decodes a token per
+        row per step through the cached attention kernel and `selective_state_update`,
+        sampling inside the loop. The caches live inside the call (sized prompt + new tokens)
+        and are updated in place; the model itself is not changed.
 
         Args:
           prompt_tokens: (B, T) integers in [0, vocab_size), T >= 1.
           max_new_tokens: an int >= 0.
           temperature: a finite number >= 0; 0 takes the most likely token.
+          top_k: None or an int >= 1: sample among the k most likely tokens.
+          top_p: None or a number in (0, 1]: sample among the most likely tokens whose
+            probabilities sum to at least p (nucleus sampling).
           rng: a PRNG key (`jax.random.key` or a legacy uint32 (2,) key).
+          prompt_lengths: (B,) integers in [1, T]: each row's prompt is its first
+            prompt_lengths[b] tokens (the rest is padding). Default: all T.
+          stop_tokens: None or a sequence of token ids: a row that samples one stops; its later
+            positions repeat that token. The loop ends when every row has stopped.
+          kv_dtype, page_size: the KV caches' storage (see `init_cache`).
 
         Returns:
           (B, max_new_tokens) int32. Each argument is checked first (TypeError or ValueError
@@ -265,26 +283,79 @@ class HybridLM(nnx.Module):
         """
         _check_generate(prompt_tokens, max_new_tokens, temperature, rng, self.config.vocab_size)
         batch, t = prompt_tokens.shape
+        sampling = _check_sampling(top_k, top_p, stop_tokens, self.config.vocab_size)
+        lengths = (jnp.full((batch,), t, jnp.int32) if prompt_lengths is None
+                   else _check_lengths(prompt_lengths, batch, t, name="prompt_lengths",
+                                       minimum=1))
         if max_new_tokens == 0:
             return jnp.zeros((batch, 0), jnp.int32)
-        self.init_cache(batch, t + max_new_tokens)
-        logits = self(prompt_tokens, decode=True)[:, -1]
-        new_tokens = []
-        for i, key in enumerate(jax.random.split(rng, max_new_tokens)):
-            if temperature == 0:
-                token = jnp.argmax(logits, axis=-1)
-            else:
-                token = jax.random.categorical(key, logits / temperature, axis=-1)
-            new_tokens.append(token.astype(jnp.int32))
-            if i + 1 < max_new_tokens:
-                logits = _next_logits(self, new_tokens[-1])
-        return jnp.stack(new_tokens, axis=1)
+        graphdef, state = nnx.split(self)
+        return _generate(graphdef, state, prompt_tokens, lengths, rng, jnp.float32(temperature),
+                         jnp.float32(1.0 if top_p is None else top_p),
+                         jnp.asarray(sampling.stop_tokens, jnp.int32),
+                         max_new_tokens=max_new_tokens, greedy=temperature == 0,
+                         top_k=top_k, nucleus=top_p is not None,
+                         kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name,
+                         page_size=page_size)
 
 
-@nnx.jit
-def _next_logits(model, token):
-    """One decode step: logits (B, V) after token (B,)."""
-    return model(token[:, None], decode=True)[:, 0]
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=(
+    "max_new_tokens", "greedy", "top_k", "nucleus", "kv_dtype", "page_size"))
+def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_tokens, *,
+              max_new_tokens, greedy, top_k, nucleus, kv_dtype, page_size):
+    """`HybridLM.generate`: the prefill, then the decode loop (a `lax.while_loop` whose carry
+    holds the caches, so XLA updates them in place)."""
+    model = nnx.merge(graphdef, state)
+    batch, t = prompt.shape
+    model.init_cache(batch, t + max_new_tokens, kv_dtype=kv_dtype, page_size=page_size)
+    logits = model._forward(prompt, None, True, lengths, fresh=True)
+    logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # (B, V)
+    step_graph, caches, rest = nnx.split(model, nnx.Cache, ...)
+    keys = jax.random.split(rng, max_new_tokens)
+
+    def sample(logits, key):
+        if greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return sample_token(logits / temperature, key, top_k=top_k,
+                            top_p=top_p if nucleus else None)
+
+    def unfinished(carry):
+        i, _, _, _, done, _ = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def step(carry):
+        i, caches, logits, tokens, done, last = carry
+        token = jnp.where(done, last, sample(logits, keys[i]))
+        tokens = tokens.at[:, i].set(token)
+        done = done | jnp.any(token[:, None] == stop_tokens[None, :], axis=1)
+        decoder = nnx.merge(step_graph, caches, rest)
+        logits = decoder(token[:, None], decode=True)[:, 0]
+        return i + 1, nnx.state(decoder, nnx.Cache), logits, tokens, done, token
+
+    tokens = jnp.zeros((batch, max_new_tokens), jnp.int32)
+    start = (jnp.int32(0), caches, logits, tokens, jnp.zeros((batch,), bool),
+             jnp.zeros((batch,), jnp.int32))
+    i, _, _, tokens, _, last = jax.lax.while_loop(unfinished, step, start)
+    # Every row stopped before the end: the positions not reached repeat its last token.
+    return jnp.where(jnp.arange(max_new_tokens) < i, tokens, last[:, None])
+
+
+def sample_token(logits, key, *, top_k=None, top_p=None):
+    """A token per row (B,) int32 from logits (B, V) (already divided by the temperature),
+    among the `top_k` most likely and, with `top_p`, the smallest set of most likely tokens
+    whose probabilities reach top_p (the most likely always stays)."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    if top_p is not None:
+        order = jnp.argsort(-logits, axis=-1)
+        ordered = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+        kept = jnp.where(before < top_p, ordered, -jnp.inf)
+        logits = jnp.full_like(logits, -jnp.inf).at[
+            jnp.arange(logits.shape[0])[:, None], order].set(kept)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,3 +403,37 @@ def _is_key(rng):
     if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
         return rng.shape == ()
     return rng.dtype == jnp.uint32 and rng.shape == (2,)
+
+
+def _check_lengths(lengths, batch, t, *, name="lengths", minimum=0):
+    """(B,) integers in [minimum, t] (values checked where known, eagerly) as int32."""
+    if not (hasattr(lengths, "dtype") and jnp.issubdtype(lengths.dtype, jnp.integer)):
+        raise TypeError(f"{name} must be an integer array, got "
+                        f"{getattr(lengths, 'dtype', type(lengths).__name__)}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},), got {lengths.shape}")
+    known = arguments.known_value(lengths)
+    if known is not None and ((known < minimum) | (known > t)).any():
+        raise ValueError(f"{name} must lie in [{minimum}, {t}], got {known.tolist()}")
+    return jnp.asarray(lengths, jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sampling:
+    stop_tokens: tuple
+
+
+def _check_sampling(top_k, top_p, stop_tokens, vocab_size):
+    """`generate`'s top_k (None or an int >= 1), top_p (None or a number in (0, 1]) and
+    stop_tokens (None or token ids in [0, vocab_size))."""
+    if top_k is not None and (not isinstance(top_k, numbers.Integral)
+                              or isinstance(top_k, bool | np.bool_) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and (not isinstance(top_p, numbers.Real)
+                              or isinstance(top_p, bool | np.bool_) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+    stops = () if stop_tokens is None else tuple(int(x) for x in np.asarray(stop_tokens).ravel())
+    outside = [x for x in stops if not 0 <= x < vocab_size]
+    if outside:
+        raise ValueError(f"stop_tokens must lie in [0, {vocab_size}), got {outside[0]}")
+    return _Sampling(stops)

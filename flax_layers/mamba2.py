@@ -50,7 +50,8 @@ class Mamba2(nnx.Module):
     the tokens continue the cached conv and SSM states, which the call advances: one token
     through `selective_state_update`, several (a prefill) through the chunked scan from the
     cached states, which gives the same result. A whole sequence decoded from an empty cache
-    gives the forward's outputs.
+    gives the forward's outputs. `lengths` (B,) (decode only) says how many of each row's T
+    tokens are real (a ragged prompt, padded at the end): the states advance over those only.
     """
 
     def __init__(
@@ -196,16 +197,25 @@ class Mamba2(nnx.Module):
         dtype = self.dtype or self.out_proj.kernel[...].dtype
         return self.out_proj(y.astype(dtype), out_sharding=token_features(z))
 
-    def __call__(self, u, *, seq_idx=None, decode=False):
+    def __call__(self, u, *, seq_idx=None, decode=False, lengths=None):
         if decode:
             if seq_idx is not None:
                 raise ValueError("decode=True continues one sequence per row: it takes no seq_idx")
             self.check_cache(u.shape[0])
+        elif lengths is not None:
+            raise ValueError("lengths is for decode=True (a forward takes seq_idx)")
         z, xbc, dt = self._split(self.in_proj(u))
         if decode:
-            advance = self._step if u.shape[1] == 1 else self._scan
-            y, (self.conv_state[...], self.ssm_state[...]) = advance(
-                z, xbc, dt, self.conv_state[...], self.ssm_state[...])
+            states = (self.conv_state[...], self.ssm_state[...])
+            if u.shape[1] == 1:
+                y, new_states = self._step(z, xbc, dt, *states)
+                if lengths is not None:  # a row without a real token keeps its states
+                    new_states = [jnp.where((lengths > 0).reshape(-1, *[1] * (new.ndim - 1)),
+                                            new, old) for new, old in zip(new_states, states,
+                                                                          strict=True)]
+            else:
+                y, new_states = self._prefill(z, xbc, dt, *states, lengths)
+            self.conv_state[...], self.ssm_state[...] = new_states
         else:
             history = jnp.zeros((u.shape[0], self.d_conv - 1, self.conv_dim), xbc.dtype)
             y, _ = self._scan(z, xbc, dt, history, None, seq_idx, caches=False)
@@ -229,6 +239,24 @@ class Mamba2(nnx.Module):
         if not caches:
             return y, None
         return y, (_conv_history(history, xbc), final.astype(jnp.float32))
+
+    def _prefill(self, z, xbc, dt, conv_state, ssm_state, lengths):
+        """Several tokens (B, T, ...) through the chunked scan from the cached states; with
+        `lengths` (B,) only each row's first lengths[b] count: the padding after them gets a
+        step size of 0 (decay 1, no input), so the final SSM state is the one after the last
+        real token, and the conv history ends there too."""
+        if lengths is None:
+            return self._scan(z, xbc, dt, conv_state, ssm_state)
+        if self.dt_limit[0] > 0:
+            raise ValueError(f"ragged lengths need a step size that can be 0: dt_limit's lower "
+                             f"bound is {self.dt_limit[0]}")
+        real = jnp.arange(xbc.shape[1]) < lengths[:, None]  # (B, T)
+        # softplus(-1e4 + dt_bias) is exactly 0: the padding neither decays nor feeds the state.
+        dt = jnp.where(real[..., None], dt, jnp.asarray(-1e4, dt.dtype))
+        y, (_, ssm_state) = self._scan(z, xbc, dt, conv_state, ssm_state)
+        inputs = jnp.concatenate([conv_state, xbc.astype(conv_state.dtype)], axis=1)
+        last = lengths[:, None] + jnp.arange(self.d_conv - 1)  # the history after the row's end
+        return y, (jnp.take_along_axis(inputs, last[..., None], axis=1), ssm_state)
 
     def _step(self, z, xbc, dt, conv_state, ssm_state):
         """One token (B, 1, ...) through the conv state and `selective_state_update`. Returns

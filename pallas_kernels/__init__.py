@@ -5,6 +5,7 @@ from pallas_kernels._dispatch import IMPLEMENTATIONS
 from pallas_kernels._sharding import unzigzag, zigzag
 from pallas_kernels.attention.api import dot_product_attention
 from pallas_kernels.attention.tuning import AttentionBlocks, KernelBlocks
+from pallas_kernels.kv_cache.api import attention_with_kv_cache, update_kv_cache
 from pallas_kernels.mamba2.api import mamba_chunk_scan_combined
 from pallas_kernels.mamba2.decode import selective_state_update
 
@@ -14,10 +15,12 @@ __all__ = [
     "IMPLEMENTATIONS",
     "AttentionBlocks",
     "KernelBlocks",
+    "attention_with_kv_cache",
     "dot_product_attention",
     "mamba_chunk_scan_combined",
     "selective_state_update",
     "unzigzag",
+    "update_kv_cache",
     "zigzag",
 ]
 __version__ = "0.1.0"

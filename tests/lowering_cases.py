@@ -98,6 +98,31 @@ def _state_update():
     return "state_update", step, args
 
 
+def _decode(kv_dtype, paged=True, head_dim=128, t=1):
+    """Decode attention over a KV cache: batch 8, 32 query / 4 KV heads, capacity 8192 (pages
+    of 16), `t` new tokens; 8-bit caches with per token-head scales."""
+    def make():
+        b, n, k, capacity, page = 8, 32, 4, 8192, 16
+        shape = (b * capacity // page, page, k, head_dim) if paged else (b, capacity, k, head_dim)
+        scaled = jnp.dtype(kv_dtype).itemsize == 1
+        args = dict(
+            q=jax.ShapeDtypeStruct((b, t, n, head_dim), jnp.bfloat16),
+            k_cache=jax.ShapeDtypeStruct(shape, kv_dtype),
+            v_cache=jax.ShapeDtypeStruct(shape, kv_dtype),
+            cache_seqlens=jax.ShapeDtypeStruct((b,), jnp.int32),
+            block_table=jax.ShapeDtypeStruct((b, capacity // page), jnp.int32) if paged else None,
+            k_scale=jax.ShapeDtypeStruct(shape[:-1], jnp.float32) if scaled else None,
+            v_scale=jax.ShapeDtypeStruct(shape[:-1], jnp.float32) if scaled else None,
+        )
+
+        def step(args):
+            return pallas_kernels.attention_with_kv_cache(**args)
+
+        return "decode", step, (args,)
+
+    return make
+
+
 # Name -> make() returning (family, fn, args), args jax.ShapeDtypeStructs.
 CASES = {
     **{f"attn-h{hd}-{f}": _attention(hd, feature=f)
@@ -109,6 +134,9 @@ CASES = {
     "ssd-t1000-g8": _ssd(t=1000, groups=8),
     "ssd-t4096-n64": _ssd(n=64),
     "ssd-state-update": _state_update,
+    **{f"decode-{jnp.dtype(d).name}-paged": _decode(d)
+       for d in (jnp.bfloat16, jnp.int8, jnp.uint8, jnp.float8_e4m3fn)},
+    "decode-bfloat16-dense-h80-t4": _decode(jnp.bfloat16, paged=False, head_dim=80, t=4),
 }
 
 

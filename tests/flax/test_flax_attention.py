@@ -89,32 +89,33 @@ def test_flash_attention_fn_in_linen_attention(monkeypatch):
 
 def test_decode_past_the_cache_is_a_value_error_eagerly():
     layer = _layer("xla", is_causal=True)
-    layer.init_cache((2, 8, 32))
-    x = jax.random.normal(jax.random.key(5), (2, 9, 32))
-    with pytest.raises(ValueError, match="KV cache holds 8 positions; 9 new tokens do not fit"):
+    layer.init_cache((2, 16, 32))
+    x = jax.random.normal(jax.random.key(5), (2, 17, 32))
+    with pytest.raises(ValueError, match="KV cache holds 16 positions; 17 new tokens do not fit"):
         layer(x, decode=True)  # a prompt longer than the cache
-    layer(x[:, :5], decode=True)
-    keys = layer.cached_key[...]
-    with pytest.raises(ValueError, match="8 positions; 5 are filled and 4 new tokens do not"):
-        layer(x[:, 5:9], decode=True)
+    layer(x[:, :13], decode=True)
+    keys = layer.cache.keys[...]
+    with pytest.raises(ValueError, match="16 positions; 13 are filled and 4 new tokens do not"):
+        layer(x[:, 13:17], decode=True)
     with pytest.raises(ValueError, match="batch 3 does not match the KV cache's batch 2"):
         layer(jnp.ones((3, 1, 32)), decode=True)
-    assert int(layer.cache_index[...]) == 5 and np.array_equal(layer.cached_key[...], keys)
+    assert layer.cache.lengths[...].tolist() == [13, 13]
+    assert np.array_equal(layer.cache.keys[...], keys)
 
 
 def test_decode_past_the_cache_under_jit_gives_nan_and_keeps_the_cache():
     layer = _layer("xla", is_causal=True)
-    layer.init_cache((2, 8, 32))
+    layer.init_cache((2, 16, 32), page_size=16)
     step = nnx.jit(lambda layer, x: layer(x, decode=True))
-    x = jax.random.normal(jax.random.key(6), (2, 3, 32))
-    for _ in range(3):  # 6 of the 8 positions filled
-        assert np.isfinite(step(layer, x[:, :2])).all()
-    keys, values = layer.cached_key[...], layer.cached_value[...]
-    assert np.isnan(step(layer, x)).all()  # 6 + 3 > 8
-    assert np.array_equal(layer.cached_key[...], keys)
-    assert np.array_equal(layer.cached_value[...], values)
-    assert int(layer.cache_index[...]) == 9
-    assert np.isnan(step(layer, x[:, :2])).all()  # every later step is NaN too
+    x = jax.random.normal(jax.random.key(6), (2, 5, 32))
+    for _ in range(3):  # 15 of the 16 positions filled
+        assert np.isfinite(step(layer, x)).all()
+    keys, values = layer.cache.keys[...], layer.cache.values[...]
+    assert np.isnan(step(layer, x)).all()  # 15 + 5 > 16
+    assert np.array_equal(layer.cache.keys[...], keys)
+    assert np.array_equal(layer.cache.values[...], values)
+    assert layer.cache.lengths[...].tolist() == [20, 20]
+    assert np.isnan(step(layer, x[:, :1])).all()  # every later step is NaN too
 
 
 @pytest.mark.parametrize("option", [dict(logits_soft_cap=0.0), dict(logits_soft_cap=-1.0),

@@ -1,7 +1,9 @@
-"""HybridLM: decode == forward, kernels vs reference, training, Linen wrappers, configuration,
-cache and argument checks."""
+"""HybridLM: decode == forward, kernels vs reference, training, generation (ragged prompts,
+8-bit KV caches, sampling, stop tokens, no cache copies in the loop), Linen wrappers,
+configuration, cache and argument checks."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from flax_layers import HybridLM, HybridLMConfig
+from flax_layers import HybridLM, HybridLMConfig, hybrid
 from flax_layers import linen as linen_layers
 
 SMALL = dict(d_model=32, num_layers=2, shared_every=2, num_heads=2, num_kv_heads=1,
@@ -112,17 +114,17 @@ def test_linen_wrappers_init_and_apply():
 
 def test_decode_past_the_caches_is_a_value_error_before_any_cache_changes():
     model = _small_model()
-    tokens = jnp.ones((2, 5), jnp.int32)
-    model.init_cache(2, 4)
+    tokens = jnp.ones((2, 17), jnp.int32)
+    model.init_cache(2, 16)
     caches = _caches(model)
-    with pytest.raises(ValueError, match="KV cache holds 4 positions; 5 new tokens do not fit"):
+    with pytest.raises(ValueError, match="KV cache holds 16 positions; 17 new tokens do not fit"):
         model(tokens, decode=True)  # a prompt longer than the caches
     with pytest.raises(ValueError, match="batch 3 does not match the Mamba2 cache's batch 2"):
         model(jnp.ones((3, 1), jnp.int32), decode=True)
     _assert_same(caches, model)
-    model(tokens[:, :3], decode=True)
+    model(tokens[:, :15], decode=True)
     caches = _caches(model)
-    with pytest.raises(ValueError, match="4 positions; 3 are filled and 2 new tokens do not fit"):
+    with pytest.raises(ValueError, match="16 positions; 15 are filled and 2 new tokens do not"):
         model(tokens[:, :2], decode=True)
     _assert_same(caches, model)
     with pytest.raises(ValueError, match="segment_ids"):
@@ -132,15 +134,15 @@ def test_decode_past_the_caches_is_a_value_error_before_any_cache_changes():
 def test_decode_past_the_caches_under_jit_gives_nan_logits_and_keeps_the_kv_caches():
     model = _small_model()
     step = nnx.jit(lambda model, tokens: model(tokens, decode=True))
-    tokens = jnp.ones((2, 2), jnp.int32)
-    model.init_cache(2, 5)
-    for _ in range(2):  # 4 of the 5 positions filled
+    tokens = jnp.ones((2, 5), jnp.int32)
+    model.init_cache(2, 16)  # a dense cache's capacity is a multiple of 16
+    for _ in range(3):  # 15 of the 16 positions filled
         assert np.isfinite(step(model, tokens)).all()
     keys = [np.asarray(slot.keys[...]) for slot in model.kv_caches]
     assert np.isnan(step(model, tokens)).all()
     for k, slot in zip(keys, model.kv_caches, strict=True):
         assert np.array_equal(k, slot.keys[...])
-    assert np.isnan(step(model, tokens[:, :1])).all()  # it would fit, but the index moved on
+    assert np.isnan(step(model, tokens[:, :1])).all()  # it would fit, but the lengths moved on
 
 
 def test_token_ids_outside_the_vocabulary():
@@ -179,6 +181,12 @@ def test_generate_takes_zero_new_tokens_without_touching_the_model():
     (dict(temperature=True), TypeError, "temperature must be a number"),
     (dict(rng=0), TypeError, "rng must be a PRNG key"),
     (dict(rng=jax.random.split(jax.random.key(0))), TypeError, "rng must be a PRNG key"),
+    (dict(top_k=0), ValueError, "top_k must be None or an int >= 1"),
+    (dict(top_p=1.5), ValueError, r"top_p must be None or a number in \(0, 1\]"),
+    (dict(stop_tokens=[3, 256]), ValueError, r"stop_tokens must lie in \[0, 256\), got 256"),
+    (dict(prompt_lengths=jnp.array([3, 0])), ValueError, r"prompt_lengths must lie in \[1, 3\]"),
+    (dict(prompt_lengths=jnp.array([3])), ValueError, r"prompt_lengths must have shape \(2,\)"),
+    (dict(prompt_lengths=jnp.array([3.0, 1.0])), TypeError, "prompt_lengths must be an integer"),
 ])
 def test_generate_checks_its_arguments(kwargs, error, needle):
     model = _small_model()
@@ -253,3 +261,129 @@ def test_every_parameter_has_logical_axis_names():
         specs = nnx.get_partition_spec(params)
         for param, spec in zip(jax.tree.leaves(params), jax.tree.leaves(specs), strict=True):
             assert len(spec) == param.ndim and all(name for name in spec), spec
+
+
+def _greedy(model, prompt, new, **kw):
+    return np.asarray(model.generate(prompt, new, temperature=0.0, rng=jax.random.key(0), **kw))
+
+
+def test_generate_with_the_kernels_equals_generate_with_the_references():
+    """Greedy, so any difference in the logits that changes a token shows: the prefill through
+    the flash and chunked SSD kernels, the steps through the KV-cache attention kernel and
+    selective_state_update (interpret mode here), against the jnp references."""
+    prompt = jax.random.randint(jax.random.key(3), (2, 5), 0, 256)
+    tokens = [_greedy(HybridLM(HybridLMConfig(**SMALL, implementation=impl), rngs=nnx.Rngs(0)),
+                      prompt, 4, prompt_lengths=jnp.array([5, 3]), page_size=16)
+              for impl in ("pallas", "xla")]
+    np.testing.assert_array_equal(*tokens)
+
+
+def test_ragged_prompts_generate_what_each_row_generates_alone():
+    model = _small_model()
+    prompt = jax.random.randint(jax.random.key(4), (3, 7), 0, 256)
+    lengths = [7, 2, 5]
+    together = _greedy(model, prompt, 5, prompt_lengths=jnp.array(lengths))
+    for row, length in enumerate(lengths):
+        alone = _greedy(model, prompt[row:row + 1, :length], 5)
+        np.testing.assert_array_equal(together[row], alone[0])
+
+
+def test_decode_after_a_ragged_prefill_equals_the_forward():
+    """Rows padded at the end: each row's logits, and the step after it, are the forward's."""
+    model = _small_model()
+    tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, 256)
+    full = model(tokens)
+    model.init_cache(2, 16, page_size=16)
+    lengths = jnp.array([8, 5])
+    prefill = model(tokens[:, :8], decode=True, lengths=lengths)
+    _close(prefill[0, :8], full[0, :8], 1e-4)
+    _close(prefill[1, :5], full[1, :5], 1e-4)
+    step = model(jnp.stack([tokens[0, 8], tokens[1, 5]])[:, None], decode=True)
+    _close(step[0, 0], full[0, 8], 1e-4)
+    _close(step[1, 0], full[1, 5], 1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e4m3fnuz])
+def test_8_bit_kv_caches_decode_close_to_float(kv_dtype):
+    """The logits of decode steps over an 8-bit paged KV cache against a float32 one: within
+    the quantisation error (int8: about 1%; e4m3: about 6%)."""
+    model = HybridLM(HybridLMConfig.preset("tiny", implementation="xla"), rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(6), (2, 12), 0, 256)
+    logits = []
+    for dtype in (jnp.float32, kv_dtype):
+        model.init_cache(2, 16, kv_dtype=dtype, page_size=16)
+        model(tokens[:, :6], decode=True)
+        logits.append(jnp.concatenate([model(tokens[:, t:t + 1], decode=True)
+                                       for t in range(6, 12)], axis=1))
+    error = float(jnp.max(jnp.abs(logits[1] - logits[0])) / jnp.max(jnp.abs(logits[0])))
+    assert 0 < error < (2e-2 if kv_dtype == jnp.int8 else 1e-1)
+
+
+def test_a_row_that_samples_a_stop_token_repeats_it():
+    model = _small_model()
+    prompt = jax.random.randint(jax.random.key(7), (2, 4), 0, 256)
+    free = _greedy(model, prompt, 6)
+    stop = int(free[0, 2])
+    stopped = _greedy(model, prompt, 6, stop_tokens=[stop])
+    for row in range(2):
+        hits = np.flatnonzero(free[row] == stop)
+        end = hits[0] + 1 if hits.size else 6
+        np.testing.assert_array_equal(stopped[row, :end], free[row, :end])
+        assert (stopped[row, end:] == stop).all()
+
+
+def test_top_k_1_and_a_tiny_top_p_sample_the_most_likely_token():
+    model = _small_model()
+    prompt = jnp.array([[1, 2, 3], [4, 5, 6]], jnp.int32)
+    greedy = _greedy(model, prompt, 4)
+    for kw in (dict(top_k=1), dict(top_p=1e-6)):
+        sampled = model.generate(prompt, 4, temperature=1.0, rng=jax.random.key(1), **kw)
+        np.testing.assert_array_equal(sampled, greedy)
+
+
+def test_sample_token_keeps_the_top_k_and_the_nucleus():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 2000))
+    keys = jax.random.split(jax.random.key(8), 2)
+    top2 = np.asarray(hybrid.sample_token(logits, keys[0], top_k=2))
+    assert set(top2) == {0, 1}
+    nucleus = np.asarray(hybrid.sample_token(logits, keys[1], top_p=0.7))  # 0.5 + 0.3 reach it
+    assert set(nucleus) == {0, 1} and abs((nucleus == 0).mean() - 0.5 / 0.8) < 0.05
+
+
+def test_the_decode_loop_copies_no_cache():
+    """`generate` compiles to one call whose while loop carries the KV caches and the Mamba2
+    states: no copy of a cache-sized buffer inside the loop."""
+    model = _small_model()
+    graphdef, state = nnx.split(model)
+    prompt = jnp.ones((2, 5), jnp.int32)
+    hlo = jax.jit(lambda state: nnx.merge(graphdef, state).generate(
+        prompt, 7, temperature=0.0, rng=jax.random.key(0))).lower(state).compile().as_text()
+    kv_shape = "f32[2,16,1,16]"  # (B, capacity 5 + 7 -> 16, K, H)
+    assert kv_shape in hlo and " while(" in hlo
+    body = _while_body(hlo)
+    copies = [line for line in body if " copy(" in line and (kv_shape in line or
+                                                             "f32[2,4,16,16]" in line)]
+    assert not copies, copies
+
+
+def _while_body(hlo):
+    """The lines of the computations the HLO module's while loops run (bodies, and what they
+    call)."""
+    computations, name = {}, None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.endswith("{"):
+            name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            computations[name] = []
+        elif name:
+            computations[name].append(line)
+    todo = [b for lines in computations.values() for line in lines if " while(" in line
+            for b in re.findall(r"body=%?([\w.\-]+)", line)]
+    seen = set()
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in computations:
+            continue
+        seen.add(current)
+        for line in computations[current]:
+            todo += re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
+    return [line for c in seen for line in computations[c]]

@@ -1,0 +1,196 @@
+"""The split-K decode attention kernel (flash-decoding), Pallas with the Triton lowering.
+
+One program per (split, KV head, batch row). Its rows are the KV head's G query heads times the
+T new tokens (row r = g * T + t, padded to a power of two >= 16), so one matmul serves the whole
+GQA group. It streams its split's keys `block_k` at a time from a dense cache (B, S, K, H) or
+from the pages a block table names ((pages, page_size, K, H); a block is a whole number of
+pages gathered by their ids), decodes 8-bit entries to the query's dtype, folds the scales into
+the logits (keys) and the probabilities (values), and keeps a running max and sum (online
+softmax, base 2). It writes its normalised partial output and base-2 log-sum-exp; `combine`
+merges the splits. Blocks outside the row's visible range are never read; a split with none
+writes sum 0 (lse -inf) and exits. The head dim is read through a power-of-two block, masked
+past H, so the cache is never padded or copied.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _device, _operands
+from pallas_kernels._operands import Operands
+from pallas_kernels.kv_cache import quantization
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """What the kernel knows of a call besides its arrays (hashable)."""
+
+    tokens: int  # T, new tokens per row
+    rows: int  # G * T padded to a power of two >= 16
+    head_dim: int  # H
+    head_dim_pad: int  # H padded to a power of two
+    scale: float
+    logits_soft_cap: float | None
+    window_left: int | None
+    key_format: quantization.Format
+    value_format: quantization.Format
+    page_size: int | None  # None: a dense cache
+    block_k: int
+    blocks_per_split: int
+    interpret: bool
+
+
+def _logits(scores, static):
+    """Raw q.k scores (f32) -> base-2 logits (scale, then soft cap)."""
+    cap = static.logits_soft_cap
+    if cap is None:
+        return scores * (static.scale * LOG2E)
+    return jnp.tanh(scores * (static.scale / cap)) * (cap * LOG2E)
+
+
+def _read(refs, cache, scales, b, j, static):
+    """Block j of a row's keys or values: (block_k, H_pad) entries and (block_k,) scales or
+    None, from the dense row or from the pages the row's block table names."""
+    bk = static.block_k
+    if static.page_size is None:
+        rows = _device.block_slice(j, bk)
+        return cache[rows, :], None if scales is None else scales[rows]
+    per_block = bk // static.page_size
+    # A block's last pages may lie past the row's length, where a table may hold anything (-1,
+    # say): clamped to a real page, whose entries the masks then ignore.
+    pages = jnp.clip(refs.block_table[b, _device.block_slice(j, per_block)], 0,
+                     cache.shape[0] - 1)
+    entries = cache[pages, :, :].reshape(bk, static.head_dim_pad)
+    return entries, None if scales is None else scales[pages, :].reshape(bk)
+
+
+def _decode_kernel(refs, *, static):
+    split, b = pl.program_id(0), pl.program_id(2)
+    bk, rows = static.block_k, static.rows
+    length = refs.seqlens[b]
+    # Row r is new token t = r % T, at position length - T + t; it sees keys in
+    # [position - window, position].
+    position = length - static.tokens + jax.lax.broadcasted_iota(
+        jnp.int32, (rows, 1), 0) % static.tokens
+    first_key = 0
+    if static.window_left is not None:
+        first_key = jnp.maximum(length - static.tokens - static.window_left, 0)
+    lo = jnp.maximum(split * static.blocks_per_split, first_key // bk)
+    hi = jnp.minimum((split + 1) * static.blocks_per_split, _device.cdiv(length, bk))
+    q = refs.q[...]
+    dims = jax.lax.broadcasted_iota(jnp.int32, (bk, static.head_dim_pad), 1)
+
+    def step(j, carry):
+        acc, row_max, row_sum = carry
+        key_ids = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
+        keys = key_ids[None, :]
+        k, k_scale = _read(refs, refs.k, refs.k_scale, b, j, static)
+        k = quantization.decode(k, static.key_format, q.dtype)
+        if static.head_dim_pad != static.head_dim:  # masked lanes past H may hold anything
+            k = jnp.where(dims < static.head_dim, k, 0)
+        scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
+        if k_scale is not None:
+            scores = scores * k_scale[None, :]
+        visible = keys <= position
+        if static.window_left is not None:
+            visible &= keys >= position - static.window_left
+        logits = jnp.where(visible, _logits(scores, static), -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
+        rescale = jnp.exp2(row_max - new_max)
+        probs = jnp.exp2(logits - new_max[:, None])
+        row_sum = row_sum * rescale + jnp.sum(probs, axis=1)
+        v, v_scale = _read(refs, refs.v, refs.v_scale, b, j, static)
+        present = key_ids < length  # slots past the length may hold NaN
+        if v_scale is not None:
+            probs = probs * jnp.where(present, v_scale, 0.0)[None, :]
+        v = jnp.where(present[:, None], quantization.decode(v, static.value_format, q.dtype), 0)
+        acc = acc * rescale[:, None] + jnp.dot(probs.astype(q.dtype), v,
+                                               preferred_element_type=jnp.float32)
+        return acc, new_max, row_sum
+
+    # A finite start for the running max keeps exp2(-inf - start) = 0 for masked entries.
+    carry = (jnp.zeros((rows, static.head_dim_pad), jnp.float32),
+             jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    acc, row_max, row_sum = jax.lax.fori_loop(lo, hi, step, carry)
+    empty = row_sum == 0.0
+    safe_sum = jnp.where(empty, 1.0, row_sum)
+    refs.out[...] = acc / safe_sum[:, None]
+    refs.lse[...] = jnp.where(empty, -jnp.inf, row_max + jnp.log2(safe_sum))
+
+
+def partials(q, k, v, seqlens, block_table, k_scale, v_scale, *, static, splits, num_warps,
+             num_stages):
+    """The kernel's per-split outputs.
+
+    q (B, K, R, H_pad) packed query rows; k, v the caches as stored (dense (B, S, K, H) with
+    S % block_k == 0, or paged (pages, page_size, K, H)); seqlens (B,) int32; block_table
+    (B, max_pages) int32 with max_pages a multiple of block_k // page_size, or None; k_scale,
+    v_scale float32 of the caches' shapes without H, or None. Returns out (splits, B, K, R,
+    H_pad) float32, normalised per split, and lse (splits, B, K, R) float32 in base 2 (-inf
+    where a split saw no key).
+    """
+    batch, kv_heads, rows, h_pad = q.shape
+    paged = static.page_size is not None
+    if paged:
+        cache_block = (k.shape[0], static.page_size, None, h_pad)
+        scale_block = (k.shape[0], static.page_size, None)
+
+        def cache_map(s, h, b):
+            return 0, 0, h, 0
+
+        def scale_map(s, h, b):
+            return 0, 0, h
+    else:
+        cache_block = (None, k.shape[1], None, h_pad)
+        scale_block = (None, k.shape[1], None)
+
+        def cache_map(s, h, b):
+            return b, 0, h, 0
+
+        def scale_map(s, h, b):
+            return b, 0, h
+
+    table_spec = None if block_table is None else pl.BlockSpec(block_table.shape,
+                                                              lambda s, h, b: (0, 0))
+    inputs = (Operands()
+              .add("seqlens", pl.BlockSpec(seqlens.shape, lambda s, h, b: (0,)), seqlens)
+              .add("block_table", table_spec, block_table)
+              .add("q", pl.BlockSpec((None, None, rows, h_pad), lambda s, h, b: (b, h, 0, 0)), q)
+              .add("k", pl.BlockSpec(cache_block, cache_map), k)
+              .add("v", pl.BlockSpec(cache_block, cache_map), v)
+              .add("k_scale", pl.BlockSpec(scale_block, scale_map), k_scale)
+              .add("v_scale", pl.BlockSpec(scale_block, scale_map), v_scale))
+    out_spec = pl.BlockSpec((None, None, None, rows, h_pad), lambda s, h, b: (s, b, h, 0, 0))
+    lse_spec = pl.BlockSpec((None, None, None, rows), lambda s, h, b: (s, b, h, 0))
+    outputs = (Operands()
+               .add("out", out_spec, jax.ShapeDtypeStruct((splits, batch, kv_heads, rows, h_pad),
+                                                         jnp.float32))
+               .add("lse", lse_spec, jax.ShapeDtypeStruct((splits, batch, kv_heads, rows),
+                                                         jnp.float32)))
+    result = _operands.call(
+        functools.partial(_decode_kernel, static=static), inputs, outputs,
+        grid=(splits, kv_heads, batch), num_warps=num_warps, num_stages=num_stages,
+        interpret=static.interpret, name="attention_with_kv_cache")
+    return result["out"], result["lse"]
+
+
+def combine(out, lse):
+    """The splits' partial outputs (splits, ...rows, H_pad) and base-2 lse (splits, ...rows)
+    merged by the log-sum-exp: (output (...rows, H_pad) float32, lse (...rows) base 2).
+    Rows that saw no key in any split get output 0 and lse -inf."""
+    if out.shape[0] == 1:
+        return out[0], lse[0]
+    top = jnp.max(lse, axis=0)
+    safe_top = jnp.where(jnp.isneginf(top), 0.0, top)
+    weights = jnp.exp2(lse - safe_top)  # 0 for empty splits
+    total = jnp.sum(weights, axis=0)
+    merged = jnp.sum(weights[..., None] * out, axis=0) / jnp.where(total > 0, total, 1.0)[
+        ..., None]
+    return merged, jnp.where(total > 0, safe_top + jnp.log2(total), -jnp.inf)

@@ -1,0 +1,79 @@
+"""The split-K decode kernel's tile and launch knobs per GPU family, and the number of splits.
+
+One program handles one (batch row, KV head, split): its rows are the KV head's G query heads
+times the T new tokens, padded to at least 16 (Triton's dot), and it streams `block_k` keys at a
+time. Splits cut the keys so that the programs fill the GPU: a long cache with few rows and
+heads is otherwise read by a handful of multiprocessors. These rows are estimates until timed
+on the GPU (benchmarks/decode.py).
+"""
+
+import dataclasses
+
+from pallas_kernels import _device
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlocks:
+    """`block_k` keys per step (a power of two, >= 16); Triton's warps and stages."""
+
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+_TABLE = {
+    "hopper": DecodeBlocks(64, 4, 3),
+    "ampere": DecodeBlocks(64, 4, 2),
+    "cdna": DecodeBlocks(64, 4, 1),
+    "fallback": DecodeBlocks(64, 4, 2),
+}
+# Programs per multiprocessor that splitting aims for, and the fewest keys a split is worth.
+PROGRAMS_PER_MULTIPROCESSOR = 2
+MIN_KEYS_PER_SPLIT = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a call runs: its DecodeBlocks, `splits` per row and `blocks_per_split`."""
+
+    blocks: DecodeBlocks
+    splits: int
+    blocks_per_split: int
+
+
+def plan(device_kind, batch, kv_heads, capacity, page_size=None, num_splits=None):
+    """The Plan of a call on `batch` rows of `capacity` keys over `kv_heads` heads: the table's
+    tile, whose `block_k` is a whole number of pages for a paged cache (at least one) and
+    divides a dense cache's capacity; `num_splits` or `splits_for`'s, at most one per block."""
+    blocks = _TABLE[_device.family(device_kind)]
+    if page_size is not None:
+        block_k = max(blocks.block_k, page_size)
+    else:
+        block_k = _dense_block(capacity, blocks.block_k)
+    total = _device.cdiv(capacity, block_k)
+    splits = min(total, num_splits or splits_for(device_kind, batch, kv_heads, capacity,
+                                                 block_k))
+    per_split = _device.cdiv(total, splits)
+    return Plan(dataclasses.replace(blocks, block_k=block_k), _device.cdiv(total, per_split),
+                per_split)
+
+
+def _dense_block(capacity, block_k):
+    """The largest power of two <= block_k (>= 16) that divides a dense cache's capacity; a
+    ValueError when none does (the cache would have to be copied)."""
+    while block_k >= 16:
+        if capacity % block_k == 0:
+            return block_k
+        block_k //= 2
+    raise ValueError(f"k_cache: a dense cache's capacity (axis 1, {capacity}) must be a "
+                     "multiple of 16 (allocate it so: the kernel reads it in place)")
+
+
+def splits_for(device_kind, batch, kv_heads, capacity, block_k):
+    """How many splits to cut each row's keys into: enough programs (batch x kv_heads x splits)
+    for `PROGRAMS_PER_MULTIPROCESSOR` per multiprocessor, no more than the cache's `capacity`
+    (keys per row, the length bucket) allows at `MIN_KEYS_PER_SPLIT` keys (whole blocks) each."""
+    wanted = _device.cdiv(PROGRAMS_PER_MULTIPROCESSOR * _device.multiprocessors(device_kind),
+                          batch * kv_heads)
+    keys_per_split = max(MIN_KEYS_PER_SPLIT, block_k)
+    return max(1, min(wanted, _device.cdiv(capacity, keys_per_split)))
