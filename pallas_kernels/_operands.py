@@ -49,9 +49,16 @@ def bind(inputs, outputs, refs):
     return Refs(**dict(zip(names, refs, strict=True)))
 
 
-def call(kernel, inputs, outputs, *, grid, num_warps, num_stages, interpret, name):
+def call(kernel, inputs, outputs, *, grid, num_warps, num_stages, interpret, name,
+         aliases=None):
     """`pl.pallas_call` of `kernel(refs)` (`Refs`) over the named inputs and outputs, lowered
-    through Triton with `num_warps` and `num_stages`; returns the outputs as a dict by name."""
+    through Triton with `num_warps` and `num_stages`; returns the outputs as a dict by name.
+
+    `aliases` {input name: output name} makes each such output share its input's buffer (the
+    kernel updates it in place; under `jax.jit` with the input donated no copy is made): the
+    output must have the input's shape and dtype, and the kernel must write every part of it
+    that should change, as the rest keeps the input's values.
+    """
 
     def positional(*refs):
         kernel(bind(inputs, outputs, refs))
@@ -68,6 +75,8 @@ def call(kernel, inputs, outputs, *, grid, num_warps, num_stages, interpret, nam
         positional, grid=grid, in_specs=inputs.specs, out_specs=outputs.specs,
         out_shape=[_sharding.varying_struct(s, axes) for s in outputs.values],
         compiler_params=_compat.triton_params(num_warps, num_stages),
+        input_output_aliases={inputs.names.index(i): outputs.names.index(o)
+                              for i, o in (aliases or {}).items()},
         interpret=interpret, name=name,
     )(*(_sharding.vary(x, axes) for x in inputs.values))
     return dict(zip(outputs.names, results, strict=True))

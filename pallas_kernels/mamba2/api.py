@@ -10,6 +10,11 @@ and saves x, dt, dt', s, A, B, C, D, z, h0 and the pre-gate output; its backward
 (`backward.gradients`) recomputes the chunk states and differentiates the gate, D, A and the dt
 preprocessing. The backward is itself differentiable: its derivatives (second order) are those
 of the reference's backward (`_kernel_gradients`). The decode step is `decode`.
+
+Packed prefill (`cu_seqlens`, batch 1): the sequences' final states come from the forward
+kernel run once more to emit the state entering each chunk (`forward(emit="states")`), plus, per
+sequence, its last chunk's tokens up to its end, in jnp (`_sequence_states`). Their gradients
+are the reference's (`_reference_sequence_states`).
 """
 
 import dataclasses
@@ -49,6 +54,8 @@ def mamba_chunk_scan_combined(
     dt_softplus=False,
     dt_limit=semantics.DEFAULT_DT_LIMIT,
     return_final_states=False,
+    cu_seqlens=None,
+    return_varlen_states=False,
     *,
     implementation=None,
     interpret=None,
@@ -73,6 +80,19 @@ def mamba_chunk_scan_combined(
       dt_softplus: a bool. dt_limit: (low, high) with 0 <= low <= high, low finite.
       return_final_states: also return the state after the last token, (b, H, P, N) float32
         (float64 for float64 inputs under x64, on both paths).
+      cu_seqlens: (num_seqs + 1,) integers (mamba_ssm's packed prefill): x holds the sequences
+        packed in one row, (1, T_total, ...), sequence i being tokens cu_seqlens[i] to
+        cu_seqlens[i + 1] - 1; cu_seqlens rises from 0 to T_total (checked where its value is
+        known). Without seq_idx it defines the sequences (seq_idx[t] = the sequence holding
+        token t, which mamba_ssm leaves to the caller); with seq_idx, both must mark the same
+        sequences (checked where both values are known). Empty sequences are allowed.
+      return_varlen_states: also return each sequence's final state, (num_seqs, H, P, N)
+        float32 (float64 as above): what running the sequence alone with return_final_states
+        gives, from `initial_states` for the sequence holding token 0 (the one they feed in y)
+        and from zero for the others; zero for an empty sequence. mamba_ssm means the same,
+        but drops initial_states when the first sequence ends inside the first chunk. Needs
+        cu_seqlens; not on a mesh (`sharding`). Differentiable (mamba_ssm's is not): on the
+        Pallas path the kernels give the values and the reference's VJP their gradients.
       implementation: "pallas", "xla" (chunked jnp reference) or None (pallas on GPU, else xla).
       interpret: run the Pallas kernels in interpret mode; None: when not on a GPU.
       sharding: how x is sharded on a mesh, a `jax.sharding.NamedSharding` or a
@@ -85,7 +105,8 @@ def mamba_chunk_scan_combined(
         arrays; final_states are then the same on every device of the sequence axis.
 
     Returns:
-      y (b, T, H, P) in x's dtype, or (y, final_states) with `return_final_states`.
+      y (b, T, H, P) in x's dtype; with `return_final_states` or `return_varlen_states` a
+      tuple as mamba_ssm's: y, then final_states, then varlen_states, each where asked for.
 
     Second-order derivatives (grad of grad, `jax.hessian`) work on both paths; on the Pallas
     path the first derivatives come from the kernels and the second from the reference.
@@ -93,28 +114,40 @@ def mamba_chunk_scan_combined(
     checks.check_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
     dt_softplus = _dispatch.check_bool("dt_softplus", dt_softplus)
     return_final_states = _dispatch.check_bool("return_final_states", return_final_states)
+    return_varlen_states = _dispatch.check_bool("return_varlen_states", return_varlen_states)
+    checks.check_varlen(x, seq_idx, cu_seqlens, return_varlen_states)
     dt_limit = checks.check_dt_limit(dt_limit)
     implementation, interpret = _dispatch.choose(implementation, interpret)
     placement = _sharding.find("x", x, sharding, feature_dims=(3,))
+    if return_varlen_states and placement is not None:
+        raise NotImplementedError(
+            "return_varlen_states: the sequences' final states are not computed on a mesh; "
+            "call without sharding (cu_seqlens packs one row)")
+    if cu_seqlens is not None and seq_idx is None:
+        seq_idx = jnp.searchsorted(cu_seqlens[1:], jnp.arange(x.shape[1]), side="right")[None]
+    sequences = cu_seqlens if return_varlen_states else None
 
-    def compute(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx):
-        """(y, final) of checked arrays (a shard's, on a mesh)."""
+    def compute(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, sequences=None):
+        """(y, final) of checked arrays (a shard's, on a mesh), and the sequences' final states
+        where `sequences` (cu_seqlens) is given."""
         if implementation == "xla":
             return reference.mamba_chunk_scan_combined(
                 x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
                 initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
-                dt_limit=dt_limit, return_final_states=True,
+                dt_limit=dt_limit, return_final_states=True, cu_seqlens=sequences,
+                return_varlen_states=sequences is not None,
             )
-        y, final = _pallas_ssd(x, dt, semantics.decay_rates(A), B, C, chunk_size, D, z,
-                               dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
-                               interpret)
-        return y, final.astype(
-            semantics.compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states))
+        dtype = semantics.compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states)
+        outputs = _pallas_ssd(x, dt, semantics.decay_rates(A), B, C, chunk_size, D, z,
+                              dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
+                              interpret, sequences)
+        return (outputs[0], *(v.astype(dtype) for v in outputs[1:]))
 
     arrays = (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
     if placement is None:
-        y, final = compute(*arrays)
+        y, final, *varlen = compute(*arrays, sequences)
     else:
+        varlen = []
         local = compute
         if placement.sequence is not None:
             placement.check_sequence("x", x.shape[1], "contiguous")
@@ -122,7 +155,8 @@ def mamba_chunk_scan_combined(
                 context.state_passing, compute, placement.sequence,
                 placement.size(placement.sequence), dt_softplus=dt_softplus, dt_limit=dt_limit)
         y, final = _sharding.run(placement, local, arrays, *_specs(placement, x, B, D))
-    return (y, final) if return_final_states else y
+    outputs = (y, *([final] if return_final_states else []), *varlen)
+    return outputs if len(outputs) > 1 else y
 
 
 def _specs(placement, x, B, D):
@@ -157,8 +191,9 @@ class _Config:
 
 
 def _pallas_ssd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                dt_softplus, dt_limit, interpret):
-    """Pads to whole chunks and power-of-two P and N, runs `_ssd`, slices back."""
+                dt_softplus, dt_limit, interpret, cu_seqlens=None):
+    """Pads to whole chunks and power-of-two P and N, runs `_ssd`, slices back: (y, final),
+    and the sequences' final states (`_sequence_states`) where `cu_seqlens` is given."""
     b, t, h, p = x.shape
     n = B.shape[-1]
     p_pad, n_pad = _device.pow2_at_least(p), _device.pow2_at_least(n)
@@ -182,22 +217,25 @@ def _pallas_ssd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_i
                            multiprocessors=_device.multiprocessors(device_kind)),
     )
     pad = _device.pad_end
+    x = pad(x, (None, t_pad, None, p_pad))
+    dt = pad(dt, (None, t_pad, None))
+    A = A.astype(jnp.float32)
+    B = pad(B, (None, t_pad, None, n_pad))
+    C = pad(C.astype(B.dtype), (None, t_pad, None, n_pad))
+    h0 = None if initial_states is None else pad(
+        initial_states.astype(jnp.float32), (None, None, p_pad, n_pad))
+    seq = None if seq_idx is None else pad(semantics.sequence_runs(seq_idx), (None, t_pad),
+                                           "edge")
     y, final = _ssd(
-        config,
-        pad(x, (None, t_pad, None, p_pad)),
-        pad(dt, (None, t_pad, None)),
-        dt_bias,
-        A.astype(jnp.float32),
-        pad(B, (None, t_pad, None, n_pad)),
-        pad(C.astype(B.dtype), (None, t_pad, None, n_pad)),
+        config, x, dt, dt_bias, A, B, C,
         None if D is None else pad(semantics.skip_weights(D, h, p), (None, p_pad)),
         None if z is None else pad(z.astype(x.dtype), (None, t_pad, None, p_pad)),
-        None if initial_states is None else pad(
-            initial_states.astype(jnp.float32), (None, None, p_pad, n_pad)
-        ),
-        None if seq_idx is None else pad(semantics.sequence_runs(seq_idx), (None, t_pad), "edge"),
+        h0, seq,
     )
-    return y[:, :t, :, :p], final[:, :, :p, :n]
+    if cu_seqlens is None:
+        return y[:, :t, :, :p], final[:, :, :p, :n]
+    varlen = _sequence_states(config, x, dt, dt_bias, A, B, C, h0, seq, cu_seqlens)
+    return y[:, :t, :, :p], final[:, :, :p, :n], varlen[:, :, :p, :n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -280,3 +318,74 @@ _kernel_gradients = _derivatives.reference_tangents(_backward_kernels, _referenc
 
 
 _ssd.defvjp(_ssd_fwd, _ssd_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed prefill: the sequences' final states.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sequence_states(config, x, dt, dt_bias, A, B, C, h0, seq, cu_seqlens):
+    """The state after each sequence's last token, (S, H, Pp, Np) float32, of the padded inputs
+    of `_ssd` (batch 1) and cu_seqlens (S + 1,).
+
+    Sequence i ends at row l of chunk c (chunks of Q = block_t tokens). The scan kernel emits
+    the state entering every chunk, H_c (in x's dtype, as for the backward); in jnp, with s the
+    preprocessing's in-chunk log2 cumsum (restarting where a sequence starts):
+
+      V_i = sum_{j <= l in i} exp2(s_l - s_j) dt'_j outer(x_j, B_j) + [i live at c's start]
+            exp2(s_l) H_c,
+
+    a sequence being live at a chunk's start if it started before it, or holds token 0 (H_0 =
+    h0). Every mask selects, so no other sequence's values reach a product.
+    """
+    static, blocks, q = config.static, config.blocks, config.blocks.block_t
+    dt_step, s = preprocess.preprocess(dt, dt_bias, A, seq, static=static, block_t=q)
+    entering, _ = forward.forward(x, dt_step, s, B, C, seq, None, None, h0, static=static,
+                                  blocks=blocks, plan=config.plan, emit="states")
+    heads, groups = x.shape[2], B.shape[2]
+    start, end = cu_seqlens[:-1], cu_seqlens[1:]
+    last = end - 1
+    chunk = jnp.clip(last // q, 0, entering.shape[1] - 1)  # (S,): the chunk of the last token
+    tokens = chunk[:, None] * q + jnp.arange(q)  # (S, Q)
+    mine = (tokens >= start[:, None]) & (tokens <= last[:, None])
+    s_last = s[0][:, jnp.clip(last, 0)].T  # (S, H)
+    s_tok, dt_tok = (jnp.moveaxis(v[0][:, tokens], 0, -1) for v in (s, dt_step))  # (S, Q, H)
+    weight = jnp.where(mine[..., None],
+                       jnp.exp2(jnp.minimum(s_last[:, None] - s_tok, 0.0)) * dt_tok, 0.0)
+    x_mine = jnp.where(mine[..., None, None], x[0][tokens], 0).astype(jnp.float32)
+    B_mine = jnp.where(mine[..., None, None], B[0][tokens], 0).astype(jnp.float32)
+    num = weight.shape[0]
+    states = jnp.einsum(
+        "sqgr,sqgrp,sqgn->sgrpn", weight.reshape(num, q, groups, heads // groups),
+        x_mine.reshape(num, q, groups, heads // groups, -1), B_mine,
+        precision=jax.lax.Precision.HIGHEST).reshape(num, heads, *entering.shape[-2:])
+    live = ((end > start) & ((start < chunk * q) | (start == 0)))[:, None, None, None]
+    carried = jnp.exp2(jnp.minimum(s_last, 0.0))[..., None, None] * entering[0, chunk]
+    return states + jnp.where(live, carried, 0.0)
+
+
+def _sequence_states_fwd(config, *args):
+    return _sequence_states(config, *args), args
+
+
+def _sequence_states_bwd(config, args, cotangent):
+    *arrays, seq, cu_seqlens = args  # x, dt, dt_bias, A, B, C, h0
+    _, vjp = jax.vjp(functools.partial(_reference_sequence_states, config, seq=seq,
+                                       cu_seqlens=cu_seqlens), *arrays)
+    return (*map(_sharding.cotangent_like, vjp(cotangent), arrays), None, None)
+
+
+def _reference_sequence_states(config, x, dt, dt_bias, A, B, C, h0, *, seq, cu_seqlens):
+    """What `_sequence_states` computes, by the chunked reference on the real tokens."""
+    static = config.static
+    t = static.seq_len
+    *_, states = reference.mamba_chunk_scan_combined(
+        x[:, :t], dt[:, :t], A, B[:, :t], C[:, :t], config.blocks.block_t, dt_bias=dt_bias,
+        initial_states=h0, seq_idx=seq[:, :t], dt_softplus=static.dt_softplus,
+        dt_limit=static.dt_limit, cu_seqlens=cu_seqlens, return_varlen_states=True,
+    )
+    return states.astype(jnp.float32)
+
+
+_sequence_states.defvjp(_sequence_states_fwd, _sequence_states_bwd)

@@ -15,6 +15,12 @@ def _shape_error(name, want, got):
     return ValueError(f"{name} must have shape {want}, got {got}")
 
 
+def _check_integers(name, value):
+    if not hasattr(value, "dtype") or not jnp.issubdtype(value.dtype, jnp.integer):
+        got = getattr(value, "dtype", type(value))
+        raise TypeError(f"{name} must be an integer array, got {got}")
+
+
 def _check_floats(arrays):
     _dispatch.check_floats(arrays, _dispatch.FLOATS, "a float array")
 
@@ -77,9 +83,7 @@ def check_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_id
     if initial_states is not None and initial_states.shape != (b, h, p, n):
         raise _shape_error("initial_states", (b, h, p, n), initial_states.shape)
     if seq_idx is not None:
-        if not hasattr(seq_idx, "dtype") or not jnp.issubdtype(seq_idx.dtype, jnp.integer):
-            got = getattr(seq_idx, "dtype", type(seq_idx))
-            raise TypeError(f"seq_idx must be an integer array, got {got}")
+        _check_integers("seq_idx", seq_idx)
         if seq_idx.shape != (b, t):
             raise _shape_error("seq_idx", (b, t), seq_idx.shape)
     if n > 256 or p > 256:
@@ -87,7 +91,7 @@ def check_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_id
     check_decay_rates(A)
 
 
-def check_step(state, x, dt, A, B, C, D, z, dt_bias):
+def check_step(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices):
     arrays = dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
     _check_floats(arrays)
     if x.ndim != 3:
@@ -98,10 +102,50 @@ def check_step(state, x, dt, A, B, C, D, z, dt_bias):
     g, n = B.shape[1:]
     if g == 0 or h % g:
         raise ValueError(f"heads ({h}) must be a multiple of B's groups ({g})")
-    want = dict(state=(b, h, p, n), dt=(b, h), A=(h,), C=B.shape, z=x.shape, dt_bias=(h,))
+    rows = b
+    if state_batch_indices is not None:
+        _check_integers("state_batch_indices", state_batch_indices)
+        if state_batch_indices.shape != (b,):
+            raise _shape_error("state_batch_indices", (b,), state_batch_indices.shape)
+        if state.ndim != 4 or state.shape[0] == 0:
+            raise ValueError(f"state must be a cache of slots (num_slots, H, P, N) = (num_slots, "
+                             f"{h}, {p}, {n}) with state_batch_indices, got {state.shape}")
+        rows = state.shape[0]
+    want = dict(state=(rows, h, p, n), dt=(b, h), A=(h,), C=B.shape, z=x.shape, dt_bias=(h,))
     for name, shape in want.items():
         if arrays[name] is not None and arrays[name].shape != shape:
             raise _shape_error(name, shape, arrays[name].shape)
     if D is not None and D.shape not in ((h,), (h, p)):
         raise ValueError(f"D must have shape ({h},) or ({h}, {p}), got {D.shape}")
     check_decay_rates(A)
+
+
+def check_varlen(x, seq_idx, cu_seqlens, return_varlen_states):
+    """cu_seqlens (num_seqs + 1,) integers for x (1, T, ...) packing the sequences, rising from
+    0 to T where its value is known, marking seq_idx's sequences where both are known; needed
+    by return_varlen_states."""
+    if cu_seqlens is None:
+        if return_varlen_states:
+            raise ValueError("return_varlen_states needs cu_seqlens, the packed sequences' "
+                             "bounds (num_seqs + 1,)")
+        return
+    _check_integers("cu_seqlens", cu_seqlens)
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have shape (num_seqs + 1,) with num_seqs >= 1, got "
+                         f"{cu_seqlens.shape}")
+    if x.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs the sequences packed into one row, x (1, T_total, H, "
+                         f"P), got x {x.shape}")
+    bounds = _compat.concrete_value(cu_seqlens)
+    if bounds is None:
+        return
+    t = x.shape[1]
+    if bounds[0] != 0 or bounds[-1] != t or np.any(np.diff(bounds) < 0):
+        raise ValueError(f"cu_seqlens must rise from 0 to T_total = {t} (never falling), got "
+                         f"{bounds.tolist()}")
+    ids = None if seq_idx is None else _compat.concrete_value(seq_idx)
+    if ids is not None:
+        sequence = np.searchsorted(bounds[1:], np.arange(t), side="right")
+        if np.any((ids[0, 1:] != ids[0, :-1]) != (sequence[1:] != sequence[:-1])):
+            raise ValueError("seq_idx and cu_seqlens must mark the same sequences (seq_idx "
+                             "changes exactly where a sequence of cu_seqlens starts)")

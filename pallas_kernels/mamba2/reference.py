@@ -14,7 +14,7 @@ g = h // (H // G), with dt', A and the sequences defined in `semantics` (shared 
 
 All math runs in float32 whatever the input dtype (float64 when jax x64 is on and the inputs are
 float64); only ever exp() of non-positive arguments is taken. Outputs come back in x's dtype,
-states in the compute dtype.
+states in the compute dtype (the decode step's new state in the state's dtype).
 
 `seq_idx` (b, T) integers pack several sequences into a row: wherever seq_idx[b, t] !=
 seq_idx[b, t-1] the state is reset to zero before step t (an id that recurs later starts a new
@@ -58,12 +58,13 @@ def _skip_and_gate(y, x, D, z, dtype):
 
 def selective_state_update(
     state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-    dt_limit=semantics.DEFAULT_DT_LIMIT,
+    dt_limit=semantics.DEFAULT_DT_LIMIT, state_batch_indices=None,
 ):
     """One decode step of the SSD recurrence (functional).
 
     Args:
-      state: (b, H, P, N) the state after the previous token.
+      state: (b, H, P, N) the state after the previous token, or with `state_batch_indices` a
+        cache of slots (num_slots, H, P, N).
       x: (b, H, P).
       dt: (b, H) raw step sizes (`semantics.step_sizes`).
       A: (H,), non-positive.
@@ -72,10 +73,31 @@ def selective_state_update(
       z: (b, H, P), optional gate: y *= silu(z).
       dt_bias: (H,), optional.
       dt_softplus, dt_limit: see `semantics.step_sizes`.
+      state_batch_indices: (b,) integers, optional: row i gathers slot state_batch_indices[i],
+        steps it and scatters it back; a row whose index is outside [0, num_slots) is padding
+        (y 0, no slot written). Rows must name distinct slots.
 
     Returns:
-      (y, new_state): y (b, H, P) in x's dtype, new_state (b, H, P, N) float32.
+      (y, new_state): y (b, H, P) in x's dtype, new_state in state's shape and dtype (the
+      math in the compute dtype).
     """
+    if state_batch_indices is None:
+        y, new_state = _step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+        return y, new_state.astype(state.dtype)
+    slots = state.shape[0]
+    valid = (state_batch_indices >= 0) & (state_batch_indices < slots)
+    y, stepped = _step(state[jnp.where(valid, state_batch_indices, 0)], x, dt, A, B, C, D, z,
+                       dt_bias, dt_softplus, dt_limit)
+    y = jnp.where(valid[:, None, None], y, jnp.zeros_like(y))
+    # Padding rows scatter out of bounds, which "drop" leaves out.
+    new_state = state.at[jnp.where(valid, state_batch_indices, slots)].set(
+        stepped.astype(state.dtype), mode="drop")
+    return y, new_state
+
+
+def _step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
+    """`selective_state_update` of one state per row: (y in x's dtype, new state (b, H, P, N)
+    in the compute dtype)."""
     heads, groups = x.shape[1], B.shape[1]
     dtype = semantics.compute_dtype(state, x, dt, A, B, C, D, z, dt_bias)
     dt = semantics.step_sizes(dt, dt_bias, dt_softplus, dt_limit, dtype)  # (b, H)
@@ -154,6 +176,8 @@ def mamba_chunk_scan_combined(
     dt_softplus=False,
     dt_limit=semantics.DEFAULT_DT_LIMIT,
     return_final_states=False,
+    cu_seqlens=None,
+    return_varlen_states=False,
 ):
     """The chunked SSD algorithm (mamba_ssm's `mamba_chunk_scan_combined`) in plain jnp.
 
@@ -186,10 +210,25 @@ def mamba_chunk_scan_combined(
       seq_idx: (b, T) integers, optional sequence ids (see the module docstring).
       dt_softplus, dt_limit: see `semantics.step_sizes`.
       return_final_states: also return the state after the last token.
+      cu_seqlens: (num_seqs + 1,) integers, optional, with b = 1: sequence i is tokens
+        cu_seqlens[i] to cu_seqlens[i + 1] - 1 (rising from 0 to T). Without seq_idx it
+        defines the sequences (seq_idx[t] = the sequence holding token t); with it, both must
+        mark the same sequences.
+      return_varlen_states: also return the state after each sequence's last token,
+        (num_seqs, H, P, N): sequence i's final state as if it ran alone, from
+        `initial_states` for the sequence holding token 0 (as y's first sequence) and from zero
+        for the others; zero for an empty sequence.
 
     Returns:
-      y (b, T, H, P) in x's dtype, and with `return_final_states` also the final state
-      (b, H, P, N) in the compute dtype.
+      y (b, T, H, P) in x's dtype, then with `return_final_states` the final state
+      (b, H, P, N), then with `return_varlen_states` the sequences' final states, both in the
+      compute dtype.
+
+    The state after sequence i, ending at row l of chunk c, is the chunk's carried-in and
+    diagonal terms with the state in place of C_l:
+
+      V_i = sum_{s <= l, s in i} exp(s_l - s_s) dt'_s outer(x_s, B_s) + [i live at c's start]
+            exp(s_l) H_{c-1}.
     """
     batch, seq_len, heads, head_dim = x.shape
     groups, state_dim = B.shape[2], B.shape[3]
@@ -197,6 +236,8 @@ def mamba_chunk_scan_combined(
     dtype = semantics.compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states)
     num_chunks = -(-seq_len // chunk_size)
     pad = num_chunks * chunk_size - seq_len
+    if seq_idx is None and cu_seqlens is not None:
+        seq_idx = jnp.searchsorted(cu_seqlens[1:], jnp.arange(seq_len), side="right")[None]
     if seq_idx is None:
         runs = jnp.zeros((batch, seq_len), jnp.int32)
     else:
@@ -277,6 +318,36 @@ def mamba_chunk_scan_combined(
 
     y = y.reshape(batch, num_chunks * chunk_size, heads, head_dim)[:, :seq_len]
     y = _skip_and_gate(y, x, D, z, dtype).astype(x.dtype)
-    if not return_final_states:
-        return y
-    return y, final_states.reshape(batch, heads, head_dim, state_dim)
+    outputs = (y,)
+    if return_final_states:
+        outputs += (final_states.reshape(batch, heads, head_dim, state_dim),)
+    if return_varlen_states:
+        outputs += (_sequence_states(cu_seqlens, states_in[0], cum[0], dt[0], x_c[0], B_c[0]),)
+    return outputs if len(outputs) > 1 else y
+
+
+def _sequence_states(cu_seqlens, states_in, cum, dt, x, B):
+    """The state after each sequence's last token (`mamba_chunk_scan_combined`'s V_i) from the
+    chunked quantities of one row: states_in (nc, G, R, P, N), the states entering the chunks;
+    cum and dt (nc, Q, G, R); x (nc, Q, G, R, P); B (nc, Q, G, N). Returns (S, H, P, N)."""
+    num_chunks, chunk_size = cum.shape[:2]
+    start, end = cu_seqlens[:-1], cu_seqlens[1:]
+    last = end - 1
+    chunk = jnp.clip(last // chunk_size, 0, num_chunks - 1)  # (S,): the chunk of the last token
+    row = jnp.clip(last - chunk * chunk_size, 0, chunk_size - 1)
+    tokens = chunk[:, None] * chunk_size + jnp.arange(chunk_size)  # (S, Q)
+    mine = ((tokens >= start[:, None]) & (tokens <= last[:, None]))[..., None, None]
+    cum, dt = cum[chunk], dt[chunk]  # (S, Q, G, R)
+    cum_last = jnp.take_along_axis(cum, row[:, None, None, None], axis=1)  # (S, 1, G, R)
+    weight = jnp.exp(jnp.minimum(jnp.where(mine, cum_last - cum, 0.0), 0.0))
+    weight = jnp.where(mine, weight, 0.0) * jnp.where(mine, dt, 0.0)
+    x_mine = jnp.where(mine[..., None], x[chunk], 0.0)
+    B_mine = jnp.where(mine[..., 0, None], B[chunk], 0.0)
+    states = _einsum("sqgr,sqgrp,sqgn->sgrpn", weight, x_mine, B_mine)
+    # The state entering the chunk is the sequence's if it started before the chunk, or if it
+    # holds token 0 (initial_states); never for an empty sequence.
+    live = ((end > start) & ((start < chunk * chunk_size) | (start == 0)))[:, None, None]
+    carry = jnp.where(live, jnp.exp(jnp.minimum(jnp.where(live, cum_last[:, 0], 0.0), 0.0)), 0.0)
+    carried = carry[..., None, None] * jnp.where(live[..., None, None], states_in[chunk], 0.0)
+    states = states + carried
+    return states.reshape(states.shape[0], -1, *states.shape[-2:])
