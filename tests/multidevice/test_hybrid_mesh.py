@@ -42,12 +42,9 @@ def _segments(batch, t):
 
 
 @pytest.mark.parametrize("shape, names, spec, implementation, strategy, order, with_segments", [
-    pytest.param((8,), ("data",), P("data"), "xla", "all_gather", "contiguous", False,
-                 id="data8-xla"),
+    # Batch-only sharding is in the fully sharded test below and in the example's test.
     pytest.param((2, 4), ("data", "context"), P("data", "context"), "pallas", "all_gather",
                  "contiguous", True, id="data2-context4-segments-pallas"),
-    pytest.param((8,), ("context",), P(None, "context"), "xla", "ring", "contiguous", True,
-                 id="context8-ring-segments-xla"),
     pytest.param((2, 4), ("data", "context"), P("data", "context"), "xla", "ring", "zigzag",
                  True, id="data2-context4-zigzag-ring-segments-xla"),
 ])
