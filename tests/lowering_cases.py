@@ -135,7 +135,7 @@ CASES = {
     "ssd-t4096-n64": _ssd(n=64),
     "ssd-state-update": _state_update,
     **{f"decode-{jnp.dtype(d).name}-paged": _decode(d)
-       for d in (jnp.bfloat16, jnp.int8, jnp.uint8, jnp.float8_e4m3fn)},
+       for d in (jnp.bfloat16, jnp.float32, jnp.int8, jnp.uint8, jnp.float8_e4m3fn)},
     "decode-bfloat16-dense-h80-t4": _decode(jnp.bfloat16, paged=False, head_dim=80, t=4),
 }
 

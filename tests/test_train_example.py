@@ -390,3 +390,26 @@ def test_command_line_resume_with_no_checkpoint_that_loads(workdir, tmp_path):
                         "Exception: Encountered error while reading array",
                         "; step 1: JSONDecodeError: ")
     assert _files(workdir) == before
+
+
+def _generate_script():
+    spec = importlib.util.spec_from_file_location("generate", ROOT / "examples" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generate_example_samples_from_the_newest_checkpoint(workdir, capsys):
+    """examples/generate.py: the model of the newest checkpoint, two prompts of different
+    lengths in one batch through an int8 paged KV cache; and one line for a workdir without
+    checkpoints."""
+    generate = _generate_script()
+    result = generate.run(generate.build_parser().parse_args([
+        "--workdir", str(workdir), "--prompt", "ROMEO:", "--prompt", "A", "--new-tokens", "2",
+        "--kv-dtype", "int8", "--page-size", "16", "--temperature", "0"]))
+    assert result["step"] == 2
+    assert [s[:len(p)] for s, p in zip(result["samples"], ("ROMEO:", "A"), strict=True)] == [
+        "ROMEO:", "A"]
+    assert result["decode_tokens_per_s"] > 0 and result["prefill_tokens_per_s"] > 0
+    assert generate.main(["--workdir", str(workdir / "nothing")]) == 2
+    assert "no checkpoints in" in capsys.readouterr().err
