@@ -10,8 +10,9 @@ with the KV caches in `--kv-dtype` and pages of `--page-size` tokens. Prompts of
 lengths share the batch (`prompt_lengths`). `--batch` repeats the prompts to that many rows.
 
 Prints the samples, then the throughput of the compiled call, timed again after compiling:
-prefill tokens/s from a call that generates one token, decode tokens/s from the difference
-with the full call. Exit status 2 with one line for an unusable workdir or flag.
+prompt tokens/s from a call that generates one token (the prefill and its sample), decode
+tokens/s from the difference with the full call. Exit status 2 with one line for an unusable
+workdir or flag.
 """
 
 import argparse
@@ -94,8 +95,9 @@ def load_model(workdir: Path, step: int | None = None) -> tuple[HybridLM, int]:
                 manager, candidate, params, jax.eval_shape(tx.init, params), lambda meta: None)
             return nnx.merge(graphdef, params), candidate
         except Exception as exc:  # a damaged or foreign checkpoint: try an older one
-            print(f"step {candidate} does not load ({type(exc).__name__}); trying older ones",
-                  file=sys.stderr)
+            reason = str(exc).strip().split("\n")[0][:200]
+            print(f"step {candidate} does not load ({type(exc).__name__}: {reason}); trying "
+                  "older ones", file=sys.stderr)
     raise trainer.UsageError(f"no checkpoint in {directory} loads")
 
 
@@ -119,6 +121,8 @@ def run(args: argparse.Namespace) -> dict:
         raise trainer.UsageError("--prompt must not be empty")
     if args.new_tokens < 2:
         raise trainer.UsageError("--new-tokens must be at least 2 (decode is timed)")
+    if args.batch is not None and args.batch < 1:
+        raise trainer.UsageError(f"--batch must be at least 1, got {args.batch}")
     model, step = load_model(args.workdir, args.step)
     tokens, lengths = encode(prompts, args.batch or len(prompts))
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

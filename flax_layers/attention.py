@@ -313,10 +313,12 @@ class FlashMultiHeadAttention(nnx.Module):
         out_features), new cache).
 
         `new_lengths` (B,) says how many of the n tokens of each row are real (a ragged prompt,
-        padded at the end); the rest are written but not counted, so the next tokens overwrite
-        them, and their outputs mean nothing. Default: all n. With `fresh` the cache is known
-        to be empty (a prefill): the tokens attend to each other through the FlashAttention
-        kernel instead.
+        padded at the end; clipped to [0, n]); the rest are written but not counted, so the
+        next tokens overwrite them, and their outputs mean nothing. All n must fit the cache.
+        Default: all n real. With `fresh` the cache is known to be empty (a prefill): the
+        tokens attend to each other through the FlashAttention kernel instead, over their keys
+        and values as computed (an 8-bit or lower-precision cache rounds them only for the
+        tokens after).
 
         Decoding is causal: a layer without `is_causal` raises a ValueError. A batch other than
         the cache's, or more than its capacity of new tokens, is a ValueError; so is a call past
@@ -328,7 +330,8 @@ class FlashMultiHeadAttention(nnx.Module):
             raise ValueError("decode=True needs a causal layer (is_causal=True)")
         batch, new = inputs.shape[:2]
         cache.check_fits(batch, new)
-        real = jnp.full((batch,), new, jnp.int32) if new_lengths is None else new_lengths
+        real = (jnp.full((batch,), new, jnp.int32) if new_lengths is None
+                else jnp.clip(new_lengths, 0, new))
         query, key, value = self.query(inputs), self.key(inputs), self.value(inputs)
         if self.rope_theta is not None:
             positions = cache.lengths[:, None] + jnp.arange(new, dtype=jnp.int32)

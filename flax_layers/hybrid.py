@@ -201,9 +201,11 @@ class HybridLM(nnx.Module):
     def __call__(self, tokens, *, segment_ids=None, decode=False, lengths=None):
         return self._forward(tokens, segment_ids, decode, lengths, fresh=False)
 
-    def _forward(self, tokens, segment_ids, decode, lengths, fresh):
+    def _forward(self, tokens, segment_ids, decode, lengths, fresh, logits_at=None):
         """`__call__`; with `fresh` (the caches were just initialised: a prefill) the shared
-        block's attention runs the FlashAttention kernel over the prompt itself."""
+        block's attention runs the FlashAttention kernel over the prompt itself; with
+        `logits_at` (B,) only the logits at those positions, (B, 1, V) (a prefill needs the
+        last prompt token's: the (B, T, V) logits of a long prompt are large)."""
         _check_tokens("tokens", tokens, self.config.vocab_size)
         if decode:
             self._check_decode(*tokens.shape, segment_ids)
@@ -232,6 +234,8 @@ class HybridLM(nnx.Module):
                     self.kv_caches[use].set(cache)
         h = reorder_sequence(h, h_order, order)
         h = jnp.where(in_vocab[..., None], h, jnp.nan)  # fused into the final norm
+        if logits_at is not None:
+            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
         return self.embed.attend(self.final_norm(h)).astype(jnp.float32)
 
     def _check_decode(self, batch, new, segment_ids):
@@ -267,7 +271,8 @@ class HybridLM(nnx.Module):
           prompt_tokens: (B, T) integers in [0, vocab_size), T >= 1.
           max_new_tokens: an int >= 0.
           temperature: a finite number >= 0; 0 takes the most likely token.
-          top_k: None or an int >= 1: sample among the k most likely tokens.
+          top_k: None or an int >= 1: sample among the k most likely tokens (and those tied
+            with the k-th).
           top_p: None or a number in (0, 1]: sample among the most likely tokens whose
             probabilities sum to at least p (nucleus sampling).
           rng: a PRNG key (`jax.random.key` or a legacy uint32 (2,) key).
@@ -303,47 +308,53 @@ class HybridLM(nnx.Module):
     "max_new_tokens", "greedy", "top_k", "nucleus", "kv_dtype", "page_size"))
 def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_tokens, *,
               max_new_tokens, greedy, top_k, nucleus, kv_dtype, page_size):
-    """`HybridLM.generate`: the prefill, then the decode loop (a `lax.while_loop` whose carry
-    holds the caches, so XLA updates them in place)."""
+    """`HybridLM.generate`: the prefill and its token, then the decode loop (a
+    `lax.while_loop` whose carry holds the caches, so XLA updates them in place), each step
+    a forward of the last token and a sample."""
     model = nnx.merge(graphdef, state)
     batch, t = prompt.shape
-    model.init_cache(batch, t + max_new_tokens, kv_dtype=kv_dtype, page_size=page_size)
-    logits = model._forward(prompt, None, True, lengths, fresh=True)
-    logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # (B, V)
+    model.init_cache(batch, t + max_new_tokens - 1, kv_dtype=kv_dtype, page_size=page_size)
+    logits = model._forward(prompt, None, True, lengths, fresh=True, logits_at=lengths - 1)
     step_graph, caches, rest = nnx.split(model, nnx.Cache, ...)
     keys = jax.random.split(rng, max_new_tokens)
 
     def sample(logits, key):
         if greedy:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logits = logits - jnp.max(logits, axis=-1, keepdims=True)  # no overflow at small T
         return sample_token(logits / temperature, key, top_k=top_k,
                             top_p=top_p if nucleus else None)
 
+    def stops(token):
+        return jnp.any(token[:, None] == stop_tokens[None, :], axis=1)
+
+    first = sample(logits[:, 0], keys[0])
+    # Initial values derived from the prompt carry its sharding (a batch-sharded mesh).
+    tokens = jnp.repeat(jnp.zeros_like(prompt[:, :1]), max_new_tokens, axis=1).at[:, 0].set(first)
+
     def unfinished(carry):
-        i, _, _, _, done, _ = carry
+        i, _, _, done, _ = carry
         return (i < max_new_tokens) & ~jnp.all(done)
 
     def step(carry):
-        i, caches, logits, tokens, done, last = carry
-        token = jnp.where(done, last, sample(logits, keys[i]))
-        tokens = tokens.at[:, i].set(token)
-        done = done | jnp.any(token[:, None] == stop_tokens[None, :], axis=1)
+        i, caches, tokens, done, last = carry
         decoder = nnx.merge(step_graph, caches, rest)
-        logits = decoder(token[:, None], decode=True)[:, 0]
-        return i + 1, nnx.state(decoder, nnx.Cache), logits, tokens, done, token
+        logits = decoder(last[:, None], decode=True)[:, 0]
+        token = jnp.where(done, last, sample(logits, keys[i]))
+        return (i + 1, nnx.state(decoder, nnx.Cache), tokens.at[:, i].set(token),
+                done | stops(token), token)
 
-    tokens = jnp.zeros((batch, max_new_tokens), jnp.int32)
-    start = (jnp.int32(0), caches, logits, tokens, jnp.zeros((batch,), bool),
-             jnp.zeros((batch,), jnp.int32))
-    i, _, _, tokens, _, last = jax.lax.while_loop(unfinished, step, start)
+    start = (jnp.int32(1), caches, tokens, stops(first), first)
+    i, _, tokens, _, last = jax.lax.while_loop(unfinished, step, start)
     # Every row stopped before the end: the positions not reached repeat its last token.
     return jnp.where(jnp.arange(max_new_tokens) < i, tokens, last[:, None])
 
 
 def sample_token(logits, key, *, top_k=None, top_p=None):
     """A token per row (B,) int32 from logits (B, V) (already divided by the temperature),
-    among the `top_k` most likely and, with `top_p`, the smallest set of most likely tokens
-    whose probabilities reach top_p (the most likely always stays)."""
+    among the `top_k` most likely (with every token tied with the k-th) and, with `top_p`, the
+    smallest set of most likely tokens whose probabilities reach top_p (the most likely always
+    stays)."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)

@@ -33,7 +33,8 @@ def attention_with_kv_cache(
         (`pallas_kernels.kv_cache.quantization`).
       cache_seqlens: (B,) integers, each row's keys including the T new ones (already written,
         `update_kv_cache`): query t of row b sits at position cache_seqlens[b] - T + t and
-        sees the keys at positions up to its own. From 0 to the row's capacity.
+        sees the keys at positions up to its own. From 0 to the row's capacity (values outside
+        are clipped to it).
       block_table: (B, max_pages) integers: row b's key j lies in page block_table[b, j //
         page_size], slot j % page_size. Pages may be shared and in any order.
       k_scale, v_scale: float32, the cache's shape without H: stored entry * scale is the key
@@ -59,7 +60,8 @@ def attention_with_kv_cache(
     batch, t, n, h = q.shape
     layout = checks.check_cache(k_cache, v_cache, block_table, k_scale, v_scale, batch)
     checks.check_heads(q, layout)
-    seqlens = checks.check_seqlens(cache_seqlens, batch)
+    # A length past the capacity counts as the capacity (the kernel never reads past it).
+    seqlens = jnp.clip(checks.check_seqlens(cache_seqlens, batch), 0, layout.capacity)
     scale = _dispatch.check_positive("scale", scale, default=h**-0.5)
     window = attention_checks.check_window(local_window_size)
     window_left = None if window is None else window[0]
@@ -125,7 +127,8 @@ def update_kv_cache(k_cache, v_cache, k, v, cache_seqlens, *, block_table=None, 
       k_cache, v_cache, block_table, k_scale, v_scale: as for `attention_with_kv_cache`.
       k, v: (B, T, K, H) float, the new tokens'.
       cache_seqlens: (B,) integers, each row's length BEFORE the write: token t of row b goes
-        to position cache_seqlens[b] + t. Positions past the row's capacity are dropped.
+        to position cache_seqlens[b] + t. Positions past the row's capacity, or in a page the
+        block table names outside the pool (-1), are dropped.
 
     Returns:
       (k_cache, v_cache, k_scale, v_scale) updated (scales None where they were None: an 8-bit
@@ -153,6 +156,9 @@ def update_kv_cache(k_cache, v_cache, k, v, cache_seqlens, *, block_table=None, 
         pages = jnp.take_along_axis(jnp.asarray(block_table, jnp.int32),
                                     jnp.minimum(positions // layout.page_size,
                                                 block_table.shape[1] - 1), axis=1)
+        # A page id outside the pool (-1 for a page not allocated yet) drops the write; jnp
+        # would wrap a negative one onto the pool's last page.
+        inside &= (pages >= 0) & (pages < k_cache.shape[0])
         index = (jnp.where(inside, pages, k_cache.shape[0]), positions % layout.page_size)
 
     def write(cache, scales, values):

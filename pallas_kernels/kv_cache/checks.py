@@ -60,8 +60,8 @@ def check_cache(k_cache, v_cache, block_table, k_scale, v_scale, batch):
         block_table = jnp.asarray(block_table)
         if not jnp.issubdtype(block_table.dtype, jnp.integer):
             raise TypeError(f"block_table must be integers, got {block_table.dtype}")
-        if block_table.ndim != 2 or block_table.shape[0] != batch:
-            raise ValueError(f"block_table must be (B={batch}, max_pages), got "
+        if block_table.ndim != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
+            raise ValueError(f"block_table must be (B={batch}, max_pages >= 1), got "
                              f"{list(block_table.shape)}")
         if size < 16 or size & (size - 1):
             raise ValueError(f"k_cache: the page size (axis 1) must be a power of two >= 16, "

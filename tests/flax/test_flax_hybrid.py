@@ -36,16 +36,22 @@ def _assert_same(caches, model):
         assert np.array_equal(before, after)
 
 
+@nnx.jit
+def _decode(model, tokens, lengths=None):
+    """A decode call, compiled (once per shape: eagerly every op would compile)."""
+    return model(tokens, decode=True, lengths=lengths)
+
+
 def test_prefill_then_decode_equals_forward_with_a_forward_between():
     model = HybridLM(HybridLMConfig.preset("tiny", implementation="xla"), rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(0), (2, 14), 0, 256)
     full = model(tokens)
     model.init_cache(2, 16)
-    prefill = model(tokens[:, :6], decode=True)
+    prefill = _decode(model, tokens[:, :6])
     caches = _caches(model)
     model(255 - tokens)  # a plain forward between decode calls touches no cache
     _assert_same(caches, model)
-    steps = [model(tokens[:, t:t + 1], decode=True) for t in range(6, 14)]
+    steps = [_decode(model, tokens[:, t:t + 1]) for t in range(6, 14)]
     _close(jnp.concatenate([prefill, *steps], axis=1), full, 1e-4)
 
 
@@ -61,7 +67,7 @@ def test_pallas_and_xla_agree_with_gradients():
     for implementation in ("pallas", "xla"):
         model = HybridLM(HybridLMConfig(**SMALL, implementation=implementation),
                          rngs=nnx.Rngs(0))
-        (_, logits), g = nnx.value_and_grad(loss, has_aux=True)(model)
+        (_, logits), g = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)  # eager: slow
         outs.append(logits)
         grads.append(jax.tree.leaves(nnx.state(g, nnx.Param)))
     _close(*outs, 1e-4)
@@ -295,10 +301,10 @@ def test_decode_after_a_ragged_prefill_equals_the_forward():
     full = model(tokens)
     model.init_cache(2, 16, page_size=16)
     lengths = jnp.array([8, 5])
-    prefill = model(tokens[:, :8], decode=True, lengths=lengths)
+    prefill = _decode(model, tokens[:, :8], lengths=lengths)
     _close(prefill[0, :8], full[0, :8], 1e-4)
     _close(prefill[1, :5], full[1, :5], 1e-4)
-    step = model(jnp.stack([tokens[0, 8], tokens[1, 5]])[:, None], decode=True)
+    step = _decode(model, jnp.stack([tokens[0, 8], tokens[1, 5]])[:, None])
     _close(step[0, 0], full[0, 8], 1e-4)
     _close(step[1, 0], full[1, 5], 1e-4)
 
@@ -307,13 +313,13 @@ def test_decode_after_a_ragged_prefill_equals_the_forward():
 def test_8_bit_kv_caches_decode_close_to_float(kv_dtype):
     """The logits of decode steps over an 8-bit paged KV cache against a float32 one: within
     the quantisation error (int8: about 1%; e4m3: about 6%)."""
-    model = HybridLM(HybridLMConfig.preset("tiny", implementation="xla"), rngs=nnx.Rngs(0))
+    model = _small_model()
     tokens = jax.random.randint(jax.random.key(6), (2, 12), 0, 256)
     logits = []
     for dtype in (jnp.float32, kv_dtype):
         model.init_cache(2, 16, kv_dtype=dtype, page_size=16)
-        model(tokens[:, :6], decode=True)
-        logits.append(jnp.concatenate([model(tokens[:, t:t + 1], decode=True)
+        _decode(model, tokens[:, :6])
+        logits.append(jnp.concatenate([_decode(model, tokens[:, t:t + 1])
                                        for t in range(6, 12)], axis=1))
     error = float(jnp.max(jnp.abs(logits[1] - logits[0])) / jnp.max(jnp.abs(logits[0])))
     assert 0 < error < (2e-2 if kv_dtype == jnp.int8 else 1e-1)
@@ -339,6 +345,15 @@ def test_top_k_1_and_a_tiny_top_p_sample_the_most_likely_token():
     for kw in (dict(top_k=1), dict(top_p=1e-6)):
         sampled = model.generate(prompt, 4, temperature=1.0, rng=jax.random.key(1), **kw)
         np.testing.assert_array_equal(sampled, greedy)
+
+
+def test_one_new_token_is_the_prefill_s_and_a_tiny_temperature_is_greedy():
+    model = _small_model()
+    prompt = jnp.array([[1, 2, 3], [4, 5, 6]], jnp.int32)
+    greedy = _greedy(model, prompt, 3)
+    np.testing.assert_array_equal(_greedy(model, prompt, 1), greedy[:, :1])
+    cold = model.generate(prompt, 3, temperature=1e-30, top_p=0.9, rng=jax.random.key(2))
+    np.testing.assert_array_equal(cold, greedy)  # no overflow to NaN probabilities
 
 
 def test_sample_token_keeps_the_top_k_and_the_nucleus():

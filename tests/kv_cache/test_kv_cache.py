@@ -282,6 +282,8 @@ def _bad_calls():
         ("cache_seqlens batch", dict(ok, cache_seqlens=seqlens[:1]), "cache_seqlens"),
         ("cache_seqlens dtype", dict(ok, cache_seqlens=seqlens.astype(F32)),
          "cache_seqlens"),
+        ("block_table without pages", dict(ok, k_cache=cache[:, :16], v_cache=cache[:, :16],
+                                           block_table=table[:, :0]), "block_table"),
     ]
 
 
@@ -313,3 +315,27 @@ def test_poisoned_slots_are_the_unreadable_ones():
     np.testing.assert_array_equal(np.asarray(dirty[0]), np.asarray(expected))
     assert np.all(np.isnan(np.asarray(dirty[2]["k_scale"])[~readable]))
     assert not np.any(np.isnan(np.asarray(dirty[2]["k_scale"])[readable]))
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_lengths_past_the_capacity_count_as_the_capacity(implementation):
+    """Both paths read no key past a row's capacity, whatever cache_seqlens says."""
+    q, cache = (jnp.asarray(x) for x in normals(_seed("past capacity"), (2, 1, 4, 16),
+                                                  (2, 32, 2, 16)))
+    call = functools.partial(pallas_kernels.attention_with_kv_cache, q, cache, cache,
+                             implementation=implementation, interpret=True)
+    np.testing.assert_array_equal(call(jnp.array([40, 33], jnp.int32)),
+                                  call(jnp.array([32, 32], jnp.int32)))
+
+
+def test_a_write_into_a_page_outside_the_pool_is_dropped():
+    """A block table may name -1 (a page not allocated yet): the tokens that fall there are
+    dropped, not written into the pool's last page."""
+    cache = jnp.zeros((3, 16, 1, 8))
+    new = jnp.ones((1, 2, 1, 8))
+    table = jnp.array([[0, -1]], jnp.int32)
+    k_cache, _, _, _ = pallas_kernels.update_kv_cache(cache, cache, new, new,
+                                                      jnp.array([15], jnp.int32),
+                                                      block_table=table)
+    assert float(k_cache[0, 15].sum()) == 8.0  # the first token, in page 0
+    assert float(jnp.abs(k_cache[1:]).sum()) == 0.0  # the second dropped, page 2 untouched

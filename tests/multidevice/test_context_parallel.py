@@ -71,15 +71,16 @@ ATTENTION = {
 
 def _attention_cases():
     """(strategy, order, case, sharding, explicit, implementation): every case of each
-    strategy in its harder order (all_gather: zig-zag on (8,); ring: zig-zag on (2, 4)), one
-    case in the other order on the other mesh, on a classic mesh and on the xla path."""
+    strategy in its harder order (all_gather: zig-zag on (8,); ring: zig-zag on (2, 4)) and
+    one in the other order on the other mesh; one case on a classic mesh (all_gather) and one
+    on the xla path (ring)."""
     cases = []
     for strategy, hard, easy in (("all_gather", SEQUENCE, BATCH_SEQUENCE),
                                  ("ring", BATCH_SEQUENCE, SEQUENCE)):
         cases += [(strategy, "zigzag", name, hard, True, "pallas") for name in ATTENTION]
-        cases += [(strategy, "contiguous", "gqa-causal-segments", easy, True, "pallas"),
-                  (strategy, "contiguous", "window-softcap", BATCH_SEQUENCE, False, "pallas"),
-                  (strategy, "zigzag", "lengths-causal", BATCH_SEQUENCE, True, "xla")]
+        cases += [(strategy, "contiguous", "gqa-causal-segments", easy, True, "pallas")]
+    cases += [("all_gather", "contiguous", "window-softcap", BATCH_SEQUENCE, False, "pallas"),
+              ("ring", "zigzag", "lengths-causal", BATCH_SEQUENCE, True, "xla")]
     return [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}-{c[3][0]}-"
                                 f"{'make_mesh' if c[4] else 'classic'}-{c[5]}")
             for c in cases]
@@ -210,8 +211,11 @@ SSD = {
 
 
 def _ssd_cases():
-    cases = [(name, sharding, True) for sharding in (SEQUENCE, BATCH_SEQUENCE) for name in SSD]
-    cases += [("seq-idx", BATCH_SEQUENCE, False)]
+    """Each case once on make_mesh meshes (sequence, or batch x sequence), seq_idx on both and
+    on a classic mesh."""
+    cases = [("d-z-bias-h0", BATCH_SEQUENCE, True), ("seq-idx", SEQUENCE, True),
+             ("seq-idx", BATCH_SEQUENCE, True), ("plain-limits", SEQUENCE, True),
+             ("seq-idx", BATCH_SEQUENCE, False)]
     return [pytest.param(*c, id=f"{c[0]}-{c[1][0]}-{'make_mesh' if c[2] else 'classic'}")
             for c in cases]
 
