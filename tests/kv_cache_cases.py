@@ -16,10 +16,11 @@ _DRAW = 1 << 20
 
 def normals(seed, *shapes):
     """Standard normal float32 numpy arrays of `shapes`, cut from one draw of a fixed size from
-    jax.random.key(seed), so that every case reuses one compiled sampler."""
+    jax.random.key(seed), so that every case reuses one compiled sampler (larger cases, a
+    power of two that holds them)."""
     sizes = [int(np.prod(shape)) for shape in shapes]
-    assert sum(sizes) <= _DRAW, "the draw is too small for these shapes"
-    flat = np.asarray(jax.random.normal(jax.random.key(seed), (_DRAW,), jnp.float32))
+    draw = max(_DRAW, 1 << (sum(sizes) - 1).bit_length())
+    flat = np.asarray(jax.random.normal(jax.random.key(seed), (draw,), jnp.float32))
     ends = np.cumsum(sizes)
     return [flat[end - size:end].reshape(shape)
             for end, size, shape in zip(ends, sizes, shapes, strict=True)]
