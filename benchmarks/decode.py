@@ -63,7 +63,7 @@ as an error, a peer that cannot run a shape or is absent as skipped (the JSON ha
 Writes {out_dir}/decode_{tag}.json (environment and every measurement, rewritten after each
 shape) and {out_dir}/decode_{tag}.png (fraction of copy bandwidth per shape and implementation),
 and prints the tables last: fraction of copy bandwidth, ms, and the targets of issue 27.
-`--generate` adds a section timing HybridLM.generate (a stub until the serving path exists).
+`--generate` adds HybridLM.generate on the zamba2-like 1.1B model (GENERATE_RUNS).
 """
 
 import os
@@ -79,6 +79,8 @@ import importlib
 import inspect
 import json
 import math
+import statistics
+import time
 import typing
 import warnings
 
@@ -529,22 +531,73 @@ def copy_bandwidth(gib):
 # --- Generation (--generate). ---
 
 
-# The generation run of ../shared/notes/h200-baselines.md: batch 8, prompt 1024.
-GENERATE_CONFIG = {"model": "zamba2-like 1.1B HybridLM", "batch": 8, "prompt": 1024,
-                   "new_tokens": 128}
+# Issue 27's generation runs: the zamba2-like 1.1B HybridLM ("zamba2-1.2b" preset: 36 Mamba2
+# blocks, d_model 2048, six uses of a 32-head shared block; bf16, random weights), greedy.
+# (batch, prompt tokens, new tokens, KV dtype); h200-baselines.md measured the first before the
+# serving path: prefill 596 tokens/s, decode 29.7 tokens/s.
+GENERATE_RUNS = [(8, 1024, 128, "bfloat16"), (64, 7680, 512, "bfloat16"),
+                 (64, 7680, 512, "int8")]
+GENERATE_QUICK = [(2, 32, 8, "bfloat16"), (2, 32, 8, "int8")]  # the tiny preset
 
 
-def measure_generate(opts):
-    """STUB, for the lead to fill in once the Flax serving path exists: time
-    `HybridLM.generate` on the 1.1B zamba2-like model at GENERATE_CONFIG (prefill and decode
-    tokens/s) and return (result fields, _timing.Timing), as the kernel measurements do."""
-    raise _harness.SkippedError("generate: waits for the Flax serving path")
+def measure_generate(run, opts):
+    """`HybridLM.generate` at one of GENERATE_RUNS (`--quick`: the tiny preset), paged KV cache
+    of 16-token pages, each call timed after its compile (median of 3): prefill tokens/s from a
+    call that generates one token (the prefill and its sample), decode tokens/s from the
+    difference with the full call. Returns (result fields, _timing.Timing of the full call)."""
+    from flax import nnx
+
+    from flax_layers import HybridLM, HybridLMConfig
+
+    batch, prompt_length, new_tokens, kv_dtype = run
+    config = HybridLMConfig.preset("tiny" if opts.quick else "zamba2-1.2b", dtype=jnp.bfloat16)
+    model = HybridLM(config, rngs=nnx.Rngs(0))
+    prompt = jax.random.randint(jax.random.key(0), (batch, prompt_length), 0, config.vocab_size)
+
+    def seconds(n):
+        def call():
+            model.generate(prompt, n, temperature=0.0, rng=jax.random.key(1), kv_dtype=kv_dtype,
+                           page_size=16).block_until_ready()
+
+        call()  # compiles
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        return times
+
+    prefill, full = seconds(1), seconds(new_tokens)
+    prefill_s, full_s = statistics.median(prefill), statistics.median(full)
+    decode_s = full_s - prefill_s  # None below: the difference drowned in the noise
+    result = {"prefill_ms": 1e3 * prefill_s,
+              "prefill_tokens_per_s": batch * prompt_length / prefill_s,
+              "decode_ms_per_step": 1e3 * decode_s / (new_tokens - 1) if decode_s > 0 else None,
+              "decode_tokens_per_s": (batch * (new_tokens - 1) / decode_s if decode_s > 0
+                                      else None)}
+    timing = _timing.Timing(median_ms=1e3 * full_s, min_ms=1e3 * min(full),
+                            max_ms=1e3 * max(full), amortised_ms=1e3 * full_s, device_ms=None,
+                            iters=len(full))
+    return result, timing
 
 
-def generate_record(opts):
-    record = {"label": "generate", "impl": "ours", "mode": "generate", **GENERATE_CONFIG}
-    return _harness.measured_record(record, functools.partial(measure_generate, opts),
-                                    uses_torch=False)
+def generate_records(opts):
+    """One record per generation run (see `measure_generate`), printed as it finishes."""
+    records = []
+    for run in GENERATE_QUICK if opts.quick else GENERATE_RUNS:
+        batch, prompt_length, new_tokens, kv_dtype = run
+        record = {"label": f"generate B{batch} prompt {prompt_length} +{new_tokens} {kv_dtype}",
+                  "impl": "ours", "mode": "generate", "batch": batch, "prompt": prompt_length,
+                  "new_tokens": new_tokens, "kv_dtype": kv_dtype}
+        record = _harness.measured_record(
+            record, functools.partial(measure_generate, run, opts), uses_torch=False)
+        decode = record.get("decode_tokens_per_s")
+        print(record["label"] + ": " + (
+            f"prefill {record['prefill_tokens_per_s']:,.0f} tokens/s, decode "
+            + ("not measurable" if decode is None else f"{decode:,.0f} tokens/s")
+            if record["status"] == "ok" else f"{record['status']}: {record.get('error', '')}"))
+        records.append(record)
+    return records
 
 
 # --- Reports. ---
@@ -659,7 +712,7 @@ def parse_args(argv=None):
                         help='vllm-triton\'s num_kv_splits: "best" (fastest power of two from '
                              '1 to 64), "vllm" (the rule of its Triton MLA backend) or a number')
     parser.add_argument("--generate", action="store_true",
-                        help="also time HybridLM.generate on the 1.1B model (a stub for now)")
+                        help="also time HybridLM.generate on the 1.1B model (GENERATE_RUNS)")
     _harness.add_output_arguments(parser, "decode")
     args = parser.parse_args(argv)
     _harness.check_common_arguments(parser, args, IMPLS)
@@ -706,12 +759,10 @@ def main(argv=None):
         save_plot=save_plot,
     )
     if args.generate:
-        record = generate_record(args)
-        print(f"generate: {record['status']}"
-              + (f": {record['error']}" if record["status"] != "ok" else ""))
+        generated = generate_records(args)
         with open(json_path) as f:
             payload = json.load(f)
-        _timing.write_json(json_path, {**payload, "generate": record})
+        _timing.write_json(json_path, {**payload, "generate": generated})
     report(records, shapes, args, json_path, png_path)
 
 
