@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _device, _dispatch
 from pallas_kernels.attention import checks as attention_checks
+from pallas_kernels.attention import common
 from pallas_kernels.kv_cache import checks, forward, quantization, reference, tuning
 
 
@@ -98,7 +99,7 @@ def attention_with_kv_cache(
     out = _unpack(out, q.shape)[..., :h].astype(q.dtype)
     if not return_residual:
         return out
-    return out, _unpack(lse[..., None], (batch, t, n, 1))[..., 0] * forward.LN2
+    return out, _unpack(lse[..., None], (batch, t, n, 1))[..., 0] * common.LN2
 
 
 def _pack(q, kv_heads, static):

@@ -21,10 +21,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _device, _operands
 from pallas_kernels._operands import Operands
+from pallas_kernels.attention import common
 from pallas_kernels.kv_cache import quantization
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +33,7 @@ class Static:
     rows: int  # G * T padded to a power of two >= 16
     head_dim: int  # H
     head_dim_pad: int  # H padded to a power of two
-    scale: float
+    scale: float  # with logits_soft_cap, read by attention's `common.base2_logits`
     logits_soft_cap: float | None
     window_left: int | None
     key_format: quantization.Format
@@ -44,14 +42,6 @@ class Static:
     block_k: int
     blocks_per_split: int
     interpret: bool
-
-
-def _logits(scores, static):
-    """Raw q.k scores (f32) -> base-2 logits (scale, then soft cap)."""
-    cap = static.logits_soft_cap
-    if cap is None:
-        return scores * (static.scale * LOG2E)
-    return jnp.tanh(scores * (static.scale / cap)) * (cap * LOG2E)
 
 
 def _read(refs, cache, scales, b, j, static):
@@ -100,7 +90,7 @@ def _decode_kernel(refs, *, static):
         visible = keys <= position
         if static.window_left is not None:
             visible &= keys >= position - static.window_left
-        logits = jnp.where(visible, _logits(scores, static), -jnp.inf)
+        logits = jnp.where(visible, common.base2_logits(scores, static), -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
         rescale = jnp.exp2(row_max - new_max)
         probs = jnp.exp2(logits - new_max[:, None])
