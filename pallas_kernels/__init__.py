@@ -23,4 +23,4 @@ __all__ = [
     "update_kv_cache",
     "zigzag",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
