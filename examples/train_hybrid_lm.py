@@ -9,8 +9,9 @@ run needs is here and small enough to read in one sitting:
   checkpointed, so a resumed run sees exactly the batches an uninterrupted run would have;
 - a jit-compiled train step: AdamW with linear warmup and cosine decay, global-norm gradient
   clipping; float32 parameters, bfloat16 compute on a GPU (float32 on a CPU);
-- a progress bar with the loss and tokens/s (and model FLOP utilisation on a known GPU), an eval
-  loss every `--eval-every` steps, orbax checkpoints every `--checkpoint-every` steps (parameters,
+- a progress bar with the loss and tokens/s (and model FLOP utilisation on a known GPU) on a
+  terminal, plain progress lines elsewhere (a log file, a pipe), an eval loss every
+  `--eval-every` steps, orbax checkpoints every `--checkpoint-every` steps (parameters,
   optimizer state, step and data RNG state) and exact `--resume`;
 - at the end, text sampled through the model's decode caches (`HybridLM.generate`);
 - every local device: data parallel by default; `--mesh data=2,fsdp=2,context=2` also shards
@@ -26,6 +27,8 @@ With the package installed (`pip install -e .`, see the README), run from the re
     python examples/train_hybrid_lm.py --resume        # continue an interrupted run
     python examples/train_hybrid_lm.py --overwrite     # start over, deleting the old checkpoints
     python examples/train_hybrid_lm.py --mesh data=2,context=4  # 8 devices, sequence over 4
+
+The flags are parsed before jax is imported: `--help` and a mistyped flag answer at once.
 
 The default run (tiny preset, 1000 steps of 16 x 128 bytes) takes the held-out loss from
 ln 256 = 5.55 to about 1.6 nats per byte. The small preset (23M parameters) is sized for a GPU;
@@ -59,20 +62,37 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-import orbax.checkpoint as ocp
-from flax import nnx
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
-from tqdm import tqdm
 
-from flax_layers import HybridLM, HybridLMConfig, gather_parameters, parameter_shardings
-from pallas_kernels import _compat, _device
 
-_compat.silence_triton_deprecation()
+def import_training_stack() -> None:
+    """Imports jax, flax, optax, orbax, tqdm and this repository's packages (seconds) as this
+    module's globals, where the functions below find them.
+
+    Run as a script, `parse_args` calls it once argparse has parsed the flags, so that --help
+    and mistyped flags answer at once; imported as a module (tests, notebooks,
+    examples/generate.py), the module calls it on import, below. Annotations that name these
+    modules are strings: the functions are defined before the names exist."""
+    global jax, jnp, optax, ocp, nnx, tqdm, AxisType, NamedSharding, P
+    global HybridLM, HybridLMConfig, gather_parameters, parameter_shardings, _device
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from tqdm import tqdm
+
+    from flax_layers import HybridLM, HybridLMConfig, gather_parameters, parameter_shardings
+    from pallas_kernels import _compat, _device
+
+    _compat.silence_triton_deprecation()
+
+
+if __name__ != "__main__":  # imported as a module: every function is usable at once
+    import_training_stack()
+
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
 DEFAULT_PROMPTS = ("ROMEO:\n", "First Citizen:\nWe are", "To be, or not to be")
@@ -248,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="steps between checkpoints (and at the last step)")
     run.add_argument("--keep-checkpoints", type=_positive_int, default=2,
                      help="how many of the newest checkpoints to keep")
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no progress bar, plain progress lines instead (as when the output is "
+                          "not a terminal)")
     sample = parser.add_argument_group("samples")
     sample.add_argument("--sample-tokens", type=_non_negative_int, default=300,
                         help="bytes generated per prompt at the end (0: no samples)")
@@ -260,11 +282,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parses and checks the flags; bad flags exit with status 2 and a usage message."""
+    """Parses and checks the flags, the model configuration included: `args.config` is the
+    checked HybridLMConfig (`model_config`). A mistake exits with status 2 and a one-line usage
+    message.
+
+    The training stack is imported (`import_training_stack`) only once argparse has parsed the
+    flags, so that --help and malformed flags answer at once."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.prompts is not None and any(not p for p in args.prompts):
         parser.error("--prompt must not be empty")
+    import_training_stack()
     try:
         args.override = parse_overrides(args.override)
     except ValueError as exc:
@@ -274,27 +302,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name, value in PRESET_DEFAULTS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    try:
+        args.config = model_config(args)
+    except UsageError as exc:
+        parser.error(str(exc))
     return args
 
 
-# Config fields that --override may change (the vocabulary, dtype and implementation have flags).
-OVERRIDABLE = {f.name: type(f.default) for f in dataclasses.fields(HybridLMConfig)
-               if f.name not in ("vocab_size", "dtype", "implementation", "context_parallelism")}
+def overridable_fields() -> dict[str, type]:
+    """The HybridLMConfig fields that --override may change, with their types: the sizes (int
+    and float fields) but the vocabulary, which is the bytes'. Of the others, the dtype,
+    implementation and context parallelism have flags; the sequence order stays contiguous,
+    the order of the batches' tokens."""
+    return {f.name: type(f.default) for f in dataclasses.fields(HybridLMConfig)
+            if type(f.default) in (int, float) and f.name != "vocab_size"}
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, int | float]:
     """["num_layers=2", ...] -> {"num_layers": 2, ...}, typed like the config's fields."""
-    overrides = {}
+    fields, overrides = overridable_fields(), {}
     for item in items:
         name, sep, text = item.partition("=")
         name = name.strip().replace("-", "_")
-        if not sep or name not in OVERRIDABLE:
-            raise ValueError(f"expected FIELD=VALUE with FIELD one of {sorted(OVERRIDABLE)}, "
+        if not sep or name not in fields:
+            raise ValueError(f"expected FIELD=VALUE with FIELD one of {sorted(fields)}, "
                              f"got {item!r}")
         try:
-            value = OVERRIDABLE[name](text)
+            value = fields[name](text)
         except ValueError:
-            kind = "an integer" if OVERRIDABLE[name] is int else "a number"
+            kind = "an integer" if fields[name] is int else "a number"
             raise ValueError(f"{name} must be {kind}, got {text!r}") from None
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {text!r}")
@@ -387,7 +423,7 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
 
 def make_config(preset: str, implementation: str = "auto", dtype: str = "auto",
                 overrides: dict[str, Any] | None = None,
-                context_parallelism: str = "all_gather") -> HybridLMConfig:
+                context_parallelism: str = "all_gather") -> "HybridLMConfig":
     """The preset with a 256-byte vocabulary, the implementation (auto -> None: kernels on a GPU,
     the reference elsewhere), the compute dtype (auto -> bfloat16 on a GPU, else float32) and
     any field overrides. `HybridLMConfig` may reject the fields (ValueError); the model rejects
@@ -402,18 +438,18 @@ def make_config(preset: str, implementation: str = "auto", dtype: str = "auto",
         context_parallelism=context_parallelism)
 
 
-def check_model(config: HybridLMConfig, seq_len: int) -> None:
+def check_model(config: "HybridLMConfig", seq_len: int) -> None:
     """Builds the model and runs it on one window of `seq_len` tokens abstractly (shapes only:
     no parameter is initialised, nothing is compiled), so that every check of the model's
     constructor and kernels runs. Raises what they raise (ValueError, TypeError, ...)."""
 
-    def forward() -> jax.Array:
+    def forward() -> "jax.Array":
         return HybridLM(config, rngs=nnx.Rngs(0))(jnp.zeros((1, seq_len), jnp.int32))
 
     jax.eval_shape(forward)
 
 
-def model_config(args: argparse.Namespace) -> HybridLMConfig:
+def model_config(args: argparse.Namespace) -> "HybridLMConfig":
     """`make_config` for the flags, checked by `check_model`. Raises UsageError, naming the
     flags, for a configuration that the config or the model rejects."""
     try:
@@ -428,7 +464,7 @@ def model_config(args: argparse.Namespace) -> HybridLMConfig:
 
 
 def make_optimizer(lr: float, warmup_steps: int, schedule_steps: int, weight_decay: float,
-                   clip_norm: float) -> tuple[optax.GradientTransformation, optax.Schedule]:
+                   clip_norm: float) -> "tuple[optax.GradientTransformation, optax.Schedule]":
     """AdamW (b2 0.95) on a linear warmup to `lr` then cosine decay to lr / 10 at
     `schedule_steps`, after global-norm clipping. Norm scales and biases (1-D parameters) get no
     weight decay."""
@@ -443,8 +479,8 @@ def make_optimizer(lr: float, warmup_steps: int, schedule_steps: int, weight_dec
     return tx, schedule
 
 
-def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
-                    tokens: NamedSharding | None = None) -> jax.Array:
+def next_token_loss(graphdef: "nnx.GraphDef", params: "nnx.State", batch: "jax.Array",
+                    tokens: "NamedSharding | None" = None) -> "jax.Array":
     """Mean cross-entropy (nats per byte) of predicting batch[:, 1:] from batch[:, :-1], both
     placed by `tokens` on a mesh (the model's activations follow them). Parameters sharded
     over fsdp are gathered first (their gradients come back reduce-scattered)."""
@@ -460,8 +496,8 @@ def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
     return (jax.nn.logsumexp(logits, axis=-1) - picked).mean()
 
 
-def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-               tokens: NamedSharding | None = None):
+def make_steps(graphdef: "nnx.GraphDef", tx: "optax.GradientTransformation",
+               tokens: "NamedSharding | None" = None):
     """(train_step, eval_step), jit-compiled; `tokens` as in `next_token_loss`.
 
     train_step(params, opt_state, batch) -> (params, opt_state, loss) donates params and
@@ -480,11 +516,11 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
 
 
-def count_params(params: nnx.State) -> int:
+def count_params(params: "nnx.State") -> int:
     return int(sum(x.size for x in jax.tree.leaves(params)))
 
 
-def model_flops_per_token(config: HybridLMConfig, params: nnx.State, seq_len: int) -> float:
+def model_flops_per_token(config: "HybridLMConfig", params: "nnx.State", seq_len: int) -> float:
     """Approximate training FLOPs (forward + backward) per token.
 
     6 x the parameters each token multiplies with (the shared block counts once per use, the tied
@@ -533,7 +569,7 @@ def check_start(ckpt_dir: Path, resume: bool, overwrite: bool) -> None:
 # --------------------------------------------------------------------------- checkpoints
 
 
-def checkpoint_manager(directory: Path, keep: int) -> ocp.CheckpointManager:
+def checkpoint_manager(directory: Path, keep: int) -> "ocp.CheckpointManager":
     """Synchronous orbax checkpoints (the train step donates its buffers, so each save finishes
     before training continues), the newest `keep` kept."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
@@ -541,8 +577,8 @@ def checkpoint_manager(directory: Path, keep: int) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(directory.resolve(), options=options)
 
 
-def save_checkpoint(manager: ocp.CheckpointManager, step: int, params: nnx.State, opt_state: Any,
-                    sampler: BatchSampler, run_config: dict[str, Any]) -> None:
+def save_checkpoint(manager: "ocp.CheckpointManager", step: int, params: "nnx.State",
+                    opt_state: Any, sampler: BatchSampler, run_config: dict[str, Any]) -> None:
     """Saves parameters and optimizer state (arrays) and step, data RNG state and the run's
     settings (JSON) under `step`."""
     meta = {"step": step, "data_rng": sampler.state(), "run_config": run_config}
@@ -552,9 +588,9 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, params: nnx.State
     manager.wait_until_finished()
 
 
-def restore_checkpoint(manager: ocp.CheckpointManager, step: int, params: nnx.State,
+def restore_checkpoint(manager: "ocp.CheckpointManager", step: int, params: "nnx.State",
                        opt_state: Any, check_meta: Callable[[dict[str, Any]], None]
-                       ) -> tuple[nnx.State, Any, dict[str, Any]]:
+                       ) -> "tuple[nnx.State, Any, dict[str, Any]]":
     """(params, opt_state, meta) of the checkpoint of `step`, restored into the structure of the
     given (freshly initialised) `params` and `opt_state`. `check_meta(meta)` runs before the
     arrays are read (so that it can refuse a checkpoint of another run before a shape mismatch
@@ -573,9 +609,9 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int, params: nnx.St
     return state["params"], state["opt_state"], meta
 
 
-def restore_newest(manager: ocp.CheckpointManager, params: nnx.State, opt_state: Any,
+def restore_newest(manager: "ocp.CheckpointManager", params: "nnx.State", opt_state: Any,
                    check_meta: Callable[[dict[str, Any]], None]
-                   ) -> tuple[tuple[int, nnx.State, Any, dict[str, Any]] | None,
+                   ) -> tuple[tuple[int, "nnx.State", Any, dict[str, Any]] | None,
                               list[tuple[int, str]]]:
     """((step, params, opt_state, meta) of the newest checkpoint that loads, or None if none
     does; [(step, why), ...] of the newer ones that do not), see `restore_checkpoint`. A
@@ -677,20 +713,25 @@ def plot_losses(records: Sequence[dict[str, Any]], path: Path, title: str = "") 
     fig.savefig(path)
 
 
-def generate_samples(graphdef: nnx.GraphDef, params: nnx.State, prompts: Sequence[str],
+def generate_samples(graphdef: "nnx.GraphDef", params: "nnx.State", prompts: Sequence[str],
                      max_new_tokens: int, temperature: float, seed: int) -> list[str]:
     """Continues each prompt by `max_new_tokens` bytes through the model's decode caches;
     returns prompt + continuation, decoded as UTF-8 with errors replaced (the parameters
-    whole on every device)."""
+    whole on every device). Prints a line before the first sample and after each one: a
+    sample takes seconds, or a minute on a CPU (the first one compiles)."""
     model = nnx.merge(graphdef, gather_parameters(params, axes=None))
     keys = jax.random.split(jax.random.key(seed), len(prompts))
+    print(f"sampling {max_new_tokens} bytes for each of {len(prompts)} prompts", flush=True)
     samples = []
-    for prompt, key in zip(prompts, keys, strict=True):
+    for i, (prompt, key) in enumerate(zip(prompts, keys, strict=True), start=1):
+        t_sample = time.perf_counter()
         prompt_bytes = prompt.encode("utf-8")
         tokens = jnp.asarray(np.frombuffer(prompt_bytes, np.uint8)[None].astype(np.int32))
         new = model.generate(tokens, max_new_tokens, temperature=temperature, rng=key)
         samples.append((prompt_bytes + bytes(np.asarray(new[0]).astype(np.uint8).tolist()))
                        .decode("utf-8", errors="replace"))
+        print(f"sample {i}/{len(prompts)} done in {time.perf_counter() - t_sample:.1f} s",
+              flush=True)
     return samples
 
 
@@ -701,7 +742,7 @@ def _sha256(tokens: np.ndarray) -> str:
     return hashlib.sha256(tokens.tobytes()).hexdigest()
 
 
-def run_settings(args: argparse.Namespace, config: HybridLMConfig,
+def run_settings(args: argparse.Namespace, config: "HybridLMConfig",
                  tokens: np.ndarray) -> dict[str, Any]:
     """The settings that define the run, stored in each checkpoint: `RUN_KEYS` must match on
     --resume; `schedule_steps` is continued unless --schedule-steps is given."""
@@ -732,31 +773,30 @@ class Run:
     checkpoint; `train_loop` trains it on (its `params`, `opt_state`, `records` and sampler
     state advance with the steps)."""
 
-    args: argparse.Namespace
+    args: argparse.Namespace  # `parse_args`: the flags and the model's `config`
     workdir: Path
     tokens: np.ndarray  # the whole corpus, one token per byte
     train_tokens: np.ndarray
     eval_tokens: np.ndarray
-    config: HybridLMConfig
     run_config: dict[str, Any]  # `run_settings`, stored in each checkpoint
-    graphdef: nnx.GraphDef
-    params: nnx.State
+    graphdef: "nnx.GraphDef"
+    params: "nnx.State"
     opt_state: Any
-    schedule: optax.Schedule  # learning rate by step
+    schedule: "optax.Schedule"  # learning rate by step
     train_step: Callable[..., Any]  # jitted, see `make_steps`
     eval_step: Callable[..., Any]
     sampler: BatchSampler  # training batches
-    eval_set: list[jax.Array]  # the fixed evaluation batches
+    eval_set: list["jax.Array"]  # the fixed evaluation batches
     n_params: int
     flops_per_token: float  # `model_flops_per_token`
     device_kind: str
     peak: float | None  # the devices' peak FLOP/s (`_device.peak_flops`); None if unknown
-    mesh: jax.sharding.Mesh | None  # `make_run_mesh`; None on one device
+    mesh: "jax.sharding.Mesh | None"  # `make_run_mesh`; None on one device
     start_step: int = 0  # where this invocation starts: 0, or the checkpoint's step on --resume
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # metrics.jsonl's
 
     @property
-    def token_sharding(self) -> NamedSharding | None:
+    def token_sharding(self) -> "NamedSharding | None":
         """Where the model's (B, T) input tokens go: the batch over data, the sequence over
         context (the activations follow them)."""
         if self.mesh is None:
@@ -766,13 +806,13 @@ class Run:
                                           else None))
 
     @property
-    def batch_sharding(self) -> NamedSharding | None:
+    def batch_sharding(self) -> "NamedSharding | None":
         """Where a (B, T + 1) batch goes: its rows over data and fsdp (T + 1 does not
         split)."""
         return None if self.mesh is None else NamedSharding(self.mesh,
                                                             P(self.token_sharding.spec[0]))
 
-    def place(self, batch: np.ndarray) -> jax.Array:
+    def place(self, batch: np.ndarray) -> "jax.Array":
         """A (B, T + 1) batch on the devices (`batch_sharding`)."""
         return jnp.asarray(batch) if self.mesh is None else jax.device_put(batch,
                                                                            self.batch_sharding)
@@ -786,8 +826,8 @@ class Run:
         return self.workdir / "metrics.jsonl"
 
 
-def _optimizer(args: argparse.Namespace, graphdef: nnx.GraphDef, schedule_steps: int,
-               tokens: NamedSharding | None):
+def _optimizer(args: argparse.Namespace, graphdef: "nnx.GraphDef", schedule_steps: int,
+               tokens: "NamedSharding | None"):
     """(tx, schedule, train_step, eval_step) for the flags and a schedule of `schedule_steps`
     (see `make_optimizer`, `make_steps`)."""
     tx, schedule = make_optimizer(args.lr, args.warmup_steps, schedule_steps, args.weight_decay,
@@ -796,7 +836,7 @@ def _optimizer(args: argparse.Namespace, graphdef: nnx.GraphDef, schedule_steps:
 
 
 def make_run_mesh(axes: dict[str, int] | None, batch_size: int, seq_len: int,
-                  config: HybridLMConfig) -> jax.sharding.Mesh | None:
+                  config: "HybridLMConfig") -> "jax.sharding.Mesh | None":
     """The mesh of --mesh (default: data over every local device), with Explicit axes, or None
     on one device. Raises UsageError when it needs more devices than there are, or the batch,
     the sequence (at least the Mamba2 conv's d_conv - 1 tokens per device) or the attention
@@ -826,19 +866,19 @@ def make_run_mesh(axes: dict[str, int] | None, batch_size: int, seq_len: int,
                          devices=jax.devices()[:size])
 
 
-def on_mesh(run: "Run") -> contextlib.AbstractContextManager:
+def on_mesh(run: Run) -> contextlib.AbstractContextManager:
     """`jax.set_mesh` of the run's mesh (nothing on one device)."""
     return contextlib.nullcontext() if run.mesh is None else jax.set_mesh(run.mesh)
 
 
 def setup(args: argparse.Namespace) -> Run:
-    """Checks every input, then builds a fresh run: the corpus (`load_corpus`, `split_corpus`),
-    the model configuration (`model_config`) and the workdir (`check_workdir`, `check_start`);
-    then the initialised model, optimizer, steps and data. Changes nothing on disk. Raises
-    UsageError for unusable inputs."""
+    """Checks the inputs that `parse_args` has not, then builds a fresh run: the corpus
+    (`load_corpus`, `split_corpus`), the workdir (`check_workdir`, `check_start`) and the mesh
+    (`make_run_mesh`); then the initialised model of `args.config`, optimizer, steps and data.
+    Changes nothing on disk. Raises UsageError for unusable inputs."""
     tokens = load_corpus(args.corpus)
     train_tokens, eval_tokens = split_corpus(tokens, args.eval_fraction, args.seq_len)
-    config = model_config(args)
+    config = args.config
     workdir = Path(args.workdir)
     check_workdir(workdir)
     check_start(workdir / "checkpoints", args.resume, args.overwrite)
@@ -852,7 +892,7 @@ def setup(args: argparse.Namespace) -> Run:
     peak = _device.peak_flops(device_kind)
     run = Run(
         args=args, workdir=workdir, tokens=tokens, train_tokens=train_tokens,
-        eval_tokens=eval_tokens, config=config, run_config=run_config, graphdef=graphdef,
+        eval_tokens=eval_tokens, run_config=run_config, graphdef=graphdef,
         params=params, opt_state=None, schedule=None, train_step=None, eval_step=None,
         sampler=make_batches(train_tokens, args.batch_size, args.seq_len, args.seed),
         eval_set=[], n_params=count_params(params),
@@ -944,19 +984,82 @@ def compile_steps(run: Run) -> tuple[Callable[..., Any], Callable[..., Any]]:
     return train_step, eval_step
 
 
+PROGRESS_LINE_S = 30.0  # without a progress bar, a plain progress line at most this often
+
+
+class Progress:
+    """The training progress on the console. On a terminal (stdout and stderr both), unless
+    --no-progress: a tqdm bar showing the latest metrics record. Elsewhere (a log file, a pipe,
+    a notebook) the bar's carriage-return redraws would write hundreds of updates, so there is
+    none: a plain line shows the latest record at most every `line_every_s` seconds instead.
+    Records with an eval loss get a line either way."""
+
+    def __init__(self, steps: int, start_step: int, no_progress: bool,
+                 line_every_s: float = PROGRESS_LINE_S):
+        self.has_bar = not no_progress and sys.stdout.isatty() and sys.stderr.isatty()
+        self.bar = tqdm(total=steps, initial=start_step, disable=not self.has_bar, unit="step",
+                        dynamic_ncols=True, desc="train")
+        self.steps, self.line_every_s = steps, line_every_s
+        self.last_line = time.perf_counter()
+
+    def show(self, record: dict[str, Any]) -> None:
+        """Shows a metrics record in the bar, and as a line ("step 100/1000: loss 2.3456, eval
+        loss 2.4012, 51,234 tokens/s, MFU 31.2%", as far as it has them) when it has an eval
+        loss or, without a bar, when the last line is `line_every_s` old."""
+        summary = [f"loss {record['loss']:.4f}"]
+        if "eval_loss" in record:
+            summary.append(f"eval loss {record['eval_loss']:.4f}")
+        if record.get("tokens_per_s") is not None:
+            summary.append(f"{record['tokens_per_s']:,.0f} tokens/s")
+        if "mfu" in record:
+            summary.append(f"MFU {100 * record['mfu']:.1f}%")
+        self.bar.set_postfix_str(", ".join(summary), refresh=False)
+        now = time.perf_counter()
+        if "eval_loss" in record or (not self.has_bar
+                                     and now - self.last_line >= self.line_every_s):
+            self.bar.write(f"step {record['step']}/{self.steps}: {', '.join(summary)}")
+            sys.stdout.flush()
+            self.last_line = now
+
+    def advance(self) -> None:
+        """Counts one more step done."""
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def tokens_per_second(tokens: int, seconds: float) -> float | None:
+    """`tokens / seconds`; None when no token was timed (a window, or a run, of only the untimed
+    first step)."""
+    return tokens / seconds if tokens else None
+
+
+def describe_throughput(tokens_per_s: float | None, timed_steps: int, first_step_s: float) -> str:
+    """The run's throughput and what it leaves out: "51,234 tokens/s over 999 steps (...)", or
+    "n/a (...)" when the only step was the first, which is not timed."""
+    if tokens_per_s is None:
+        return (f"n/a (only one step ran, and the first step, {first_step_s:.2f} s, is not "
+                "timed)")
+    return (f"{tokens_per_s:,.0f} tokens/s over {timed_steps} steps (not counted: the "
+            f"compilation and the first step, {first_step_s:.2f} s)")
+
+
 def train_loop(run: Run) -> dict[str, Any]:
     """Trains `run` from `run.start_step` to --steps, leaving its `params` and `opt_state` at the
     last step. On a fresh run, step 0 is logged first (the untrained model's losses). Every
     --log-every steps a record (mean loss, learning rate, tokens/s, MFU where the peak is known)
-    is appended to metrics.jsonl, with an eval loss every --eval-every steps; a checkpoint is
-    saved every --checkpoint-every steps; both at the last step too.
+    is appended to metrics.jsonl and shown (`Progress`), with an eval loss every --eval-every
+    steps; a checkpoint is saved every --checkpoint-every steps; both at the last step too.
 
-    Returns initial_eval_loss (None when resumed), final_eval_loss, final_loss, tokens_per_s
-    (over the timed steps) and mfu (None when the peak is unknown).
+    Tokens/s times the steps after this invocation's first (the first run of a compiled step is
+    slower), without evaluations and checkpoints. Returns initial_eval_loss (None when
+    resumed), final_eval_loss, final_loss, tokens_per_s (None when only one step ran) and mfu
+    (None when the peak or the throughput is unknown).
     """
     args, run_config, sampler, schedule = run.args, run.run_config, run.sampler, run.schedule
     start_step, flops_per_token, peak = run.start_step, run.flops_per_token, run.peak
-    impl = run.config.implementation or ("pallas" if _device.on_gpu() else "xla")
+    impl = args.config.implementation or ("pallas" if _device.on_gpu() else "xla")
     print(f"HybridLM {args.preset}: {run.n_params:,} parameters, {run_config['dtype']} compute, "
           f"{impl} kernels on {_devices(run)}; corpus {len(run.tokens):,} bytes "
           f"({len(run.train_tokens):,} train / {len(run.eval_tokens):,} eval); "
@@ -964,6 +1067,7 @@ def train_loop(run: Run) -> dict[str, Any]:
           flush=True)
     train_step, eval_step = compile_steps(run)
     params, opt_state = run.params, run.opt_state
+    progress = Progress(args.steps, start_step, args.no_progress)
 
     def evaluate(params) -> float:
         return float(np.mean([float(eval_step(params, b)) for b in run.eval_set]))
@@ -972,6 +1076,7 @@ def train_loop(run: Run) -> dict[str, Any]:
         run.records.append(record)
         with run.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        progress.show(record)
 
     initial_eval = None
     if start_step == 0:
@@ -985,10 +1090,8 @@ def train_loop(run: Run) -> dict[str, Any]:
 
     manager = checkpoint_manager(run.ckpt_dir, args.keep_checkpoints)
     tokens_per_step = args.batch_size * args.seq_len
-    bar = tqdm(total=args.steps, initial=start_step, disable=args.no_progress, unit="step",
-               dynamic_ncols=True, desc="train")
     window_losses, window_start, last = [], time.perf_counter(), {}
-    total_time, total_tokens, untimed = 0.0, 0, 0
+    timed_steps, timed_s, untimed, first_step_s = 0, 0.0, 0, 0.0
     for step in range(start_step + 1, args.steps + 1):
         # Drawing the next batch overlaps with the device still running the previous step.
         batch = run.place(next(sampler))
@@ -996,44 +1099,40 @@ def train_loop(run: Run) -> dict[str, Any]:
         window_losses.append(loss)
         if step == start_step + 1:  # the first run of a compiled step is slower: not timed
             jax.block_until_ready(loss)
+            first_step_s = time.perf_counter() - window_start
             window_start, untimed = time.perf_counter(), 1
         evaluate_now = step % args.eval_every == 0 or step == args.steps
         if step % args.log_every == 0 or evaluate_now:
-            mean_loss = float(jnp.mean(jnp.stack(window_losses)))  # waits for the device
+            mean_loss = float(np.mean(jax.device_get(window_losses)))  # waits for the device
+            window_steps = len(window_losses) - untimed
             elapsed = time.perf_counter() - window_start
-            window_tokens = (len(window_losses) - untimed) * tokens_per_step
-            tokens_per_s = window_tokens / elapsed if window_tokens else float("nan")
-            total_time += elapsed
-            total_tokens += window_tokens
+            if window_steps:  # else the window is the untimed first step alone
+                timed_steps, timed_s = timed_steps + window_steps, timed_s + elapsed
             untimed = 0
+            tokens_per_s = tokens_per_second(window_steps * tokens_per_step, elapsed)
             record = {"step": step, "loss": mean_loss, "lr": float(schedule(step - 1)),
-                      "tokens_per_s": None if math.isnan(tokens_per_s) else round(tokens_per_s, 1)}
-            if peak and not math.isnan(tokens_per_s):
+                      "tokens_per_s": None if tokens_per_s is None else round(tokens_per_s, 1)}
+            if peak and tokens_per_s:
                 record["mfu"] = round(tokens_per_s * flops_per_token / peak, 4)
             if evaluate_now:
                 record["eval_loss"] = evaluate(params)
-                bar.write(f"step {step}: eval loss {record['eval_loss']:.4f}")
             log(record)
             last = record
-            postfix = {"loss": f"{mean_loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
-            if "mfu" in record:
-                postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
-            bar.set_postfix(postfix, refresh=False)
             window_losses, window_start = [], time.perf_counter()
-        bar.update(1)
+        progress.advance()
         if step % args.checkpoint_every == 0 or step == args.steps:
             jax.block_until_ready(params)  # steps still running count as training time
             t_save = time.perf_counter()
             save_checkpoint(manager, step, params, opt_state, sampler, run_config)
             window_start += time.perf_counter() - t_save  # not counted in tokens/s
-    bar.close()
+    progress.close()
     manager.close()
     run.params, run.opt_state = params, opt_state
 
-    tokens_per_s = total_tokens / total_time if total_time else float("nan")
-    mfu = tokens_per_s * flops_per_token / peak if peak else None
-    print(f"throughput {tokens_per_s:,.0f} tokens/s; model FLOPs/token {flops_per_token:.3g}; "
-          f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
+    tokens_per_s = tokens_per_second(timed_steps * tokens_per_step, timed_s)
+    mfu = tokens_per_s * flops_per_token / peak if peak and tokens_per_s else None
+    print(f"throughput {describe_throughput(tokens_per_s, timed_steps, first_step_s)}; model "
+          f"FLOPs/token {flops_per_token:.3g}; MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
           + ("" if peak else f" (no peak FLOP/s known for {run.device_kind!r})"), flush=True)
     final_eval = last.get("eval_loss")
     if initial_eval is not None:

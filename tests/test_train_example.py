@@ -1,7 +1,8 @@
 """examples/train_hybrid_lm.py: a short run learns and writes its outputs, --resume continues
-exactly (past checkpoints that do not load), and mistakes (bad flags, corpora, model
+exactly (past checkpoints that do not load), mistakes (bad flags, corpora, model
 configurations, workdirs) exit with status 2 and one line instead of a traceback, before any
-checkpoint is touched."""
+checkpoint is touched, --help answers before jax is imported, and output that is not a terminal
+gets plain progress lines instead of a progress bar."""
 
 import contextlib
 import importlib.util
@@ -48,10 +49,11 @@ def _run(workdir, *flags):
     return trainer.train(trainer.parse_args([*TINY, "--workdir", str(workdir), *flags]))
 
 
-def _cli(*flags, cwd):
+def _cli(*flags, cwd, python_options=()):
     """Runs the script as a command on the CPU."""
-    return subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True,
-                          cwd=cwd, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    return subprocess.run([sys.executable, *python_options, str(SCRIPT), *flags],
+                          capture_output=True, text=True, cwd=cwd, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
 def _main(argv, capsys):
@@ -88,10 +90,14 @@ def _largest_file(directory):
     return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
-def test_short_run_learns_writes_outputs_and_resumes_exactly(tmp_path):
+def test_short_run_learns_writes_outputs_and_resumes_exactly(tmp_path, capsys):
     # One uninterrupted run of STEPS steps (checkpoints at STEPS / 2 and STEPS) ...
     full_dir = tmp_path / "full"
     full = _run(full_dir, "--steps", str(STEPS), "--sample-tokens", "12")
+    out = capsys.readouterr().out
+    assert "step 6/24: loss " in out and "\r" not in out  # plain lines, no progress bar
+    assert f"throughput {full['tokens_per_s']:,.0f} tokens/s over {STEPS - 1} steps" in out
+    assert "sampling 12 bytes for each of 3 prompts" in out and "sample 3/3 done in" in out
     records = trainer.read_metrics(full_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS + 1))
     assert all(math.isfinite(r["loss"]) for r in records)
@@ -160,6 +166,7 @@ def test_mfu_helpers():
     (["--implementation", "cuda"], "argument --implementation: invalid choice"),
     (["--eval-fraction", "1.5"], "argument --eval-fraction: must be a number between 0 and 1"),
     (["--override", "depth=3"], "--override: expected FIELD=VALUE"),
+    (["--override", "sequence_order=zigzag"], "--override: expected FIELD=VALUE"),
     (["--override", "d_model=0"], "--override: d_model must be positive, got '0'"),
     (["--override", "num_layers=-2"], "--override: num_layers must be positive, got '-2'"),
     (["--resume", "--overwrite"], "argument --overwrite: not allowed with argument --resume"),
@@ -223,6 +230,61 @@ def test_command_line_workdir_below_a_file(tmp_path):
     assert (tmp_path / "afile").read_text() == "not a directory"
 
 
+def test_command_line_help_answers_before_importing_jax(tmp_path):
+    """--help takes a fraction of a second: argparse answers before the training stack (jax,
+    flax, optax, orbax, tqdm and the package, seconds) is imported."""
+    result = _cli("--help", cwd=tmp_path, python_options=("-X", "importtime"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: train_hybrid_lm.py") and "--override" in result.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "argparse" in imported
+    assert imported.isdisjoint({"jax", "flax", "optax", "orbax", "tqdm", "flax_layers",
+                                "pallas_kernels"}), imported
+
+
+@pytest.mark.parametrize("line_every_s, lines", [
+    (0, ["step 0/20: loss 5.5000, eval loss 5.6000", "step 10/20: loss 3.0000, 1,234 tokens/s",
+         "step 20/20: loss 2.5000, 1,500 tokens/s, MFU 25.0%"]),
+    (math.inf, ["step 0/20: loss 5.5000, eval loss 5.6000"]),
+])
+def test_progress_off_a_terminal_is_plain_lines(capsys, line_every_s, lines):
+    """Output that is not a terminal (here: captured) gets no progress bar, whose
+    carriage-return redraws would fill a log, but plain lines: every record with an eval loss,
+    the others at most every `line_every_s` seconds."""
+    progress = trainer.Progress(20, 0, no_progress=False, line_every_s=line_every_s)
+    progress.show({"step": 0, "loss": 5.5, "eval_loss": 5.6})
+    for step in range(1, 21):
+        progress.advance()
+        if step == 10:
+            progress.show({"step": 10, "loss": 3.0, "tokens_per_s": 1234.4})
+    progress.show({"step": 20, "loss": 2.5, "tokens_per_s": 1500.0, "mfu": 0.25})
+    progress.close()
+    out, err = capsys.readouterr()
+    assert out.splitlines() == lines and err == ""
+
+
+def test_progress_bar_on_a_terminal_unless_no_progress(monkeypatch):
+    """A progress bar when stdout and stderr are terminals, unless --no-progress."""
+    for stream in (sys.stdout, sys.stderr):
+        monkeypatch.setattr(stream, "isatty", lambda: True)
+    for no_progress in (False, True):
+        progress = trainer.Progress(10, 0, no_progress=no_progress)
+        assert progress.has_bar is not no_progress
+        progress.close()
+
+
+def test_throughput_times_the_steps_after_the_first():
+    """The first step of a run is not timed (the first run of a compiled step is slower), so a
+    run of one step has no throughput: "n/a", not "0 tokens/s"."""
+    assert trainer.tokens_per_second(0, 0.01) is None
+    assert trainer.tokens_per_second(4096, 2.0) == 2048.0
+    assert trainer.describe_throughput(None, 0, 0.5) == (
+        "n/a (only one step ran, and the first step, 0.50 s, is not timed)")
+    assert trainer.describe_throughput(2048.0, 3, 0.5) == (
+        "2,048 tokens/s over 3 steps (not counted: the compilation and the first step, 0.50 s)")
+
+
 def test_read_metrics_drops_a_torn_line(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "loss": 5.5}\n\n{"step": 1, "loss": 5.4}\n{"step": 2, "lo')
@@ -283,18 +345,25 @@ def test_bad_model_configuration_exits_2_before_overwriting(workdir, capsys, ove
     assert _files(workdir) == before
 
 
-def test_command_line_bad_model_configuration_keeps_checkpoints(workdir, tmp_path):
+@pytest.mark.parametrize("override, message", [
+    ("num_heads=3", "num_heads (3) must be divisible by num_kv_heads (2)"),
+    ("ngroups=3", "heads (4) must be divisible by ngroups (3)"),
+    ("chunk_size=24", "chunk_size must be a positive power of two, got 24"),
+])
+def test_command_line_bad_model_configuration_keeps_checkpoints(workdir, tmp_path, override,
+                                                                message):
     before = _files(workdir)
-    result = _cli(*TINY, "--override", "num_heads=3", "--workdir", str(workdir), "--overwrite",
+    result = _cli(*TINY, "--override", override, "--workdir", str(workdir), "--overwrite",
                   cwd=tmp_path)
-    _assert_usage_error(result.returncode, result.stderr, "num_heads (3) must be divisible")
+    _assert_usage_error(result.returncode, result.stderr, f"--override {override}", message,
+                        "see train_hybrid_lm.py --help")
     assert _files(workdir) == before
 
 
 def _restore_newest(workdir):
     """`restore_newest` on the workdir's checkpoints, into a freshly initialised TINY run."""
     args = trainer.parse_args([*TINY, "--workdir", str(workdir)])
-    params = nnx.state(trainer.HybridLM(trainer.model_config(args), rngs=nnx.Rngs(0)))
+    params = nnx.state(trainer.HybridLM(args.config, rngs=nnx.Rngs(0)))
     tx, _ = trainer.make_optimizer(args.lr, args.warmup_steps, 2, args.weight_decay,
                                    args.clip_norm)
     manager = trainer.checkpoint_manager(workdir / "checkpoints", keep=2)
