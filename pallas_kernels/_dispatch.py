@@ -7,6 +7,7 @@ before anything is traced.
 import math
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -39,10 +40,21 @@ def check_bool(name, value):
 
 
 def check_positive(name, value, *, default):
-    """A finite Python number > 0 as a float (`default` for None); TypeError for a non-number
-    or a bool, ValueError for zero, a negative, NaN or an infinity."""
+    """A finite number > 0 (a Python number or a concrete scalar array) as a float (`default`
+    for None); TypeError for a non-number, a bool or a traced value, ValueError for zero, a
+    negative, NaN or an infinity."""
     if value is None:
         return default
+    if hasattr(value, "shape") and hasattr(value, "dtype") and value.shape == ():
+        if not jnp.issubdtype(value.dtype, jnp.number) or jnp.issubdtype(value.dtype,
+                                                                          jnp.complexfloating):
+            raise TypeError(f"{name} must be a real number, got an array of {value.dtype}")
+        try:
+            value = value.item()
+        except jax.errors.ConcretizationTypeError:
+            raise TypeError(
+                f"{name} must be known when the call is traced (a Python number or a concrete "
+                f"array), got a traced value; pass it as a static argument") from None
     if not isinstance(value, numbers.Real) or isinstance(value, bool | np.bool_):
         raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
     if not (math.isfinite(value) and value > 0):

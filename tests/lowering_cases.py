@@ -19,15 +19,22 @@ TARGETS = {"gfx942": ("gfx942", "rocm"), "sm_90a": ("NVIDIA H200", "cuda")}
 def _attention(head_dim, t=4096, feature="causal"):
     """Attention forward and backward (vjp), bf16, b 2, 16 query / 4 key-value heads.
     "context": causal, as one device's share of ring context parallelism (the sequence on the
-    target's one-device mesh axis), so the kernels take the band's shift from their tables."""
+    target's one-device mesh axis), so the kernels take the band's shift from their tables.
+    "mask-bias": causal with a (B, 1, T, T) mask and a (1, N, T, T) bias, differentiated."""
     def make():
         b, n, k = 2, 16, 4
         q = jax.ShapeDtypeStruct((b, t, n, head_dim), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((b, t, k, head_dim), jnp.bfloat16)
         ids = jax.ShapeDtypeStruct((b, t), jnp.int32)
         lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+        mask = jax.ShapeDtypeStruct((b, 1, t, t), jnp.bool_)
+        bias = jax.ShapeDtypeStruct((1, n, t, t), jnp.bfloat16)
 
-        def train_step(q, k, v, ids, lengths):
+        def train_step(q, k, v, ids, lengths, mask, bias):
+            if feature == "mask-bias":  # the bias's gradient too: a fourth kernel
+                out, vjp = jax.vjp(lambda q, k, v, bias: pallas_kernels.dot_product_attention(
+                    q, k, v, bias, mask, is_causal=True), q, k, v, bias)
+                return out, vjp(out)
             kw = {
                 "causal": dict(is_causal=True),
                 "window-softcap": dict(local_window_size=(256, 0), logits_soft_cap=30.0),
@@ -41,7 +48,7 @@ def _attention(head_dim, t=4096, feature="causal"):
                 lambda q, k, v: pallas_kernels.dot_product_attention(q, k, v, **kw), q, k, v)
             return out, vjp(out)
 
-        return "attention", train_step, (q, kv, kv, ids, lengths)
+        return "attention", train_step, (q, kv, kv, ids, lengths, mask, bias)
 
     return make
 
@@ -129,6 +136,7 @@ CASES = {
        for hd in (128, 80) for f in ("causal", "window-softcap", "segments-lengths")},
     **{f"attn-h{hd}-t{t}": _attention(hd, t=t) for hd in (64, 256) for t in (4096, 77)},
     "attn-h128-context": _attention(128, feature="context"),
+    "attn-h128-mask-bias": _attention(128, feature="mask-bias"),
     "ssd-t4096": _ssd(),
     "ssd-t4096-seq_idx": _ssd(seq_idx=True),
     "ssd-t1000-g8": _ssd(t=1000, groups=8),

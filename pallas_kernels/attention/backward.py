@@ -22,10 +22,12 @@ from pallas_kernels._operands import Operands
 from pallas_kernels.attention import common, masking
 
 
-def _probabilities(scores, lse2, static):
-    """exp2(logits - lse) for raw scores and base-2 lse broadcast to the scores' shape."""
-    logits = common.base2_logits(scores, static)
-    return logits, jnp.exp2(logits - lse2)
+def _probabilities(scores, lse2, static, bias2):
+    """(capped, probabilities): the base-2 logits before the bias (for the soft cap's
+    derivative) and exp2(logits + bias - lse) for raw scores, the base-2 bias tile (or 0.0) and
+    the base-2 lse broadcast to the scores' shape."""
+    capped = common.base2_logits(scores, static)
+    return capped, jnp.exp2(capped + bias2 - lse2)
 
 
 def _dkv_kernel(refs, *, static, block_q, block_k):
@@ -42,16 +44,19 @@ def _dkv_kernel(refs, *, static, block_q, block_k):
             do = refs.do[_device.block_slice(i, block_q), g, :]
             if masked and static.has_q_len:
                 q, do = common.zero_past(refs.table, masking.COL_LEN, i * block_q, q, do)
-            lse2 = refs.lse[g, _device.block_slice(i, block_q)] * common.LOG2E
-            delta = refs.delta[g, _device.block_slice(i, block_q)]
+            rows = _device.block_slice(i, block_q)
+            lse2 = refs.lse[g, rows] * common.LOG2E
+            delta = refs.delta[g, rows]
             scores_t = jnp.dot(k, q.T, preferred_element_type=jnp.float32)  # (block_k, block_q)
-            logits_t, probs_t = _probabilities(scores_t, lse2[None, :], static)
+            logits_t, probs_t = _probabilities(
+                scores_t, lse2[None, :], static,
+                common.pair_logits(refs, rows, slice(None), g, transpose=True))
             if masked:
-                q_seg = None if refs.q_seg is None else refs.q_seg[_device.block_slice(i, block_q)]
+                q_seg = None if refs.q_seg is None else refs.q_seg[rows]
                 mask = common.block_mask(
                     refs.table, k_block * block_k, block_k, i * block_q, block_q, static,
                     key_band, kv_seg, q_seg,
-                )
+                ) & common.pair_visible(refs, rows, slice(None), g, transpose=True)
                 probs_t = jnp.where(mask, probs_t, 0.0)
             dv += jnp.dot(probs_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
             dprobs_t = jnp.dot(v, do.T, preferred_element_type=jnp.float32)
@@ -72,6 +77,8 @@ def _dkv_kernel(refs, *, static, block_q, block_k):
 
 
 def _dq_kernel(refs, *, static, block_q, block_k):
+    """dQ, or with a `dbias` output instead the logits' gradient of each (query, key) pair of
+    the program's query block (zero where masked or not visited)."""
     q_block = pl.program_id(0)
     q = refs.q[...]
     do = refs.do[...]
@@ -80,21 +87,28 @@ def _dq_kernel(refs, *, static, block_q, block_k):
     q_seg = None if refs.q_seg is None else refs.q_seg[...]
 
     def step(j, dq, masked):
-        k = refs.k[_device.block_slice(j, block_k), :]
-        v = refs.v[_device.block_slice(j, block_k), :]
+        cols = _device.block_slice(j, block_k)
+        k = refs.k[cols, :]
+        v = refs.v[cols, :]
         if masked and static.has_kv_len:  # (v's NaN dprobs are masked out of dlogits)
             (k,) = common.zero_past(refs.table, masking.COL_LEN, j * block_k, k)
         scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
-        logits, probs = _probabilities(scores, lse2[:, None], static)
+        logits, probs = _probabilities(scores, lse2[:, None], static,
+                                       common.pair_logits(refs, slice(None), cols))
         if masked:
-            kv_seg = None if refs.kv_seg is None else refs.kv_seg[_device.block_slice(j, block_k)]
+            kv_seg = None if refs.kv_seg is None else refs.kv_seg[cols]
             mask = common.block_mask(
                 refs.table, q_block * block_q, block_q, j * block_k, block_k, static,
                 static.band, q_seg, kv_seg,
-            )
+            ) & common.pair_visible(refs, slice(None), cols)
             probs = jnp.where(mask, probs, 0.0)
         dprobs = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
         dlogits = probs * (dprobs - delta[:, None])
+        if refs.dbias is not None:  # the bias is added after the soft cap
+            if masked:  # a masked pair's dprobs or delta may be NaN
+                dlogits = jnp.where(mask, dlogits, 0.0)
+            refs.dbias[:, cols] = dlogits.astype(refs.dbias.dtype)
+            return dq
         if static.logits_soft_cap is not None:
             dlogits *= common.soft_cap_derivative(logits, static)
         if masked and static.has_lengths:  # a masked pair's dprobs or delta may be NaN
@@ -102,14 +116,26 @@ def _dq_kernel(refs, *, static, block_q, block_k):
         return dq + jnp.dot(dlogits.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
     dq = common.visit_blocks(refs.table, step, jnp.zeros(q.shape, jnp.float32), static)
-    refs.dq[...] = (dq * static.scale).astype(refs.dq.dtype)
+    if refs.dbias is None:
+        refs.dq[...] = (dq * static.scale).astype(refs.dq.dtype)
+        return
+
+    def zero(j, carry):  # the blocks the table skips
+        refs.dbias[:, _device.block_slice(j, block_k)] = jnp.zeros(
+            (block_q, block_k), refs.dbias.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, refs.table[masking.LO], zero, 0)
+    jax.lax.fori_loop(refs.table[masking.HI], refs.dbias.shape[-1] // block_k, zero, 0)
 
 
-def dkv(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks):
+def dkv(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks, mask=None,
+        bias=None):
     """dk, dv for padded inputs (shapes as in `forward.forward`), summed over each GQA group.
 
     lse and delta are (B, N, Tp) float32; `table` is the `masking.block_table` of key blocks over
-    query blocks (transposed band); `blocks` a `tuning.KernelBlocks`.
+    query blocks (transposed band); `blocks` a `tuning.KernelBlocks`; mask and bias as in
+    `forward.forward`.
     """
     batch, t_pad, _, d_pad = q.shape
     s_pad, kv_heads = k.shape[1], k.shape[2]
@@ -123,6 +149,8 @@ def dkv(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks):
         pl.BlockSpec((None, t_pad), lambda j, h, b: (b, 0)), q_seg,
         pl.BlockSpec((None, bk), lambda j, h, b: (b, j)), kv_seg,
     )
+    common.add_pairs(inputs, mask, bias, heads=groups, rows=t_pad, cols=bk,
+               index=lambda j, h, b: (b, h, 0, j))
     outputs = (Operands().add("dk", kv_spec, jax.ShapeDtypeStruct(k.shape, k.dtype))
                .add("dv", kv_spec, jax.ShapeDtypeStruct(v.shape, v.dtype)))
     out = _operands.call(
@@ -136,8 +164,13 @@ def dkv(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks):
     return out["dk"], out["dv"]
 
 
-def dq(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks):
-    """dq for padded inputs; `table` is the `masking.block_table` of query over key blocks."""
+def dq(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks, mask=None, bias=None,
+       emit="dq"):
+    """dq for padded inputs; `table` is the `masking.block_table` of query over key blocks.
+
+    `emit="dbias"` runs the same kernel for the gradient of the logits instead, (B, N, Tp, Sp)
+    float32 (the bias's gradient before its broadcast dims are summed; zero where masked).
+    """
     batch, t_pad, heads, d_pad = q.shape
     s_pad = k.shape[1]
     bq, bk, groups = blocks.block_q, blocks.block_k, static.groups
@@ -150,15 +183,22 @@ def dq(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks):
         pl.BlockSpec((None, bq), lambda i, h, b: (b, i)), q_seg,
         pl.BlockSpec((None, s_pad), lambda i, h, b: (b, 0)), kv_seg,
     )
-    outputs = Operands().add("dq", q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    common.add_pairs(inputs, mask, bias, heads=None, rows=bq, cols=s_pad,
+               index=lambda i, h, b: (b, h, i, 0))
+    if emit == "dq":
+        outputs = Operands().add("dq", q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    else:
+        outputs = Operands().add(
+            "dbias", pl.BlockSpec((None, None, bq, s_pad), lambda i, h, b: (b, h, i, 0)),
+            jax.ShapeDtypeStruct((batch, heads, t_pad, s_pad), jnp.float32))
     return _operands.call(
         functools.partial(_dq_kernel, static=static, block_q=bq, block_k=bk),
         inputs, outputs,
         grid=(t_pad // bq, heads, batch),
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
         interpret=static.interpret,
-        name="flash_attention_dq",
-    )["dq"]
+        name=f"flash_attention_{emit}",
+    )[emit]
 
 
 def _inputs(table_spec, table, q_spec, kv_spec, rows_spec, q, k, v, do, lse, delta,

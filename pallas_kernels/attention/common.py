@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels.attention import masking
 
@@ -99,3 +100,52 @@ def visit_blocks(table_ref, step, carry, static: Static):
     carry = jax.lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
     carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
     return jax.lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
+def pair_spec(pair, *, heads, rows, cols, index):
+    """BlockSpec of a user's mask or bias, (B', N', T', S') with each dim 1 (broadcast) or
+    full: a full dim gets the block size `heads` (None: one head, squeezed), `rows` or `cols`,
+    a broadcast one its single entry. `index(*program ids)` gives the (batch, head, row, col)
+    block indices of full dims."""
+    b, n, t, s = pair.shape
+    block = (None, heads if n > 1 else None, rows if t > 1 else 1, cols if s > 1 else 1)
+
+    def index_map(*ids):
+        return tuple(i if size > 1 else 0 for i, size in zip(index(*ids), pair.shape,
+                                                             strict=True))
+
+    return pl.BlockSpec(block, index_map)
+
+
+def add_pairs(inputs, mask, bias, **spec):
+    """Adds a user's mask and bias (either may be None) to a kernel's `Operands`, each with
+    `pair_spec(pair, **spec)`."""
+    for name, pair in (("mask", mask), ("bias", bias)):
+        if pair is not None:
+            inputs.add(name, pair_spec(pair, **spec), pair)
+
+
+def pair_tile(ref, rows, cols, head=None):
+    """The tile of a `pair_spec` ref at `rows` x `cols` (slices of its block), in the block's
+    (T, S) orientation; a broadcast dim (size 1) is read whole, so the tile broadcasts.
+    `head` indexes the block's heads when it has several (the dK/dV kernel's group)."""
+    index = (head,) if len(ref.shape) == 3 else ()
+    rows = rows if ref.shape[-2] > 1 else slice(None)
+    cols = cols if ref.shape[-1] > 1 else slice(None)
+    return ref[(*index, rows, cols)]
+
+
+def pair_logits(refs, rows, cols, head=None, transpose=False):
+    """The base-2 bias tile to add to the logits (0.0 without a bias), float32."""
+    if refs.bias is None:
+        return 0.0
+    tile = pair_tile(refs.bias, rows, cols, head).astype(jnp.float32) * LOG2E
+    return tile.T if transpose else tile
+
+
+def pair_visible(refs, rows, cols, head=None, transpose=False):
+    """The user's mask tile as booleans (True without a mask)."""
+    if refs.mask is None:
+        return True
+    tile = pair_tile(refs.mask, rows, cols, head) != 0
+    return tile.T if transpose else tile

@@ -27,15 +27,16 @@ def _forward_kernel(refs, *, static, block_q, block_k, num_q_blocks):
         v = refs.v[_device.block_slice(j, block_k), :]
         if masked and static.has_kv_len:  # (k's NaN logits are masked out before the exp)
             (v,) = common.zero_past(refs.table, masking.COL_LEN, j * block_k, v)
+        cols = _device.block_slice(j, block_k)
         logits = common.base2_logits(
             jnp.dot(q, k.T, preferred_element_type=jnp.float32), static
-        )
+        ) + common.pair_logits(refs, slice(None), cols)
         if masked:
-            kv_seg = None if refs.kv_seg is None else refs.kv_seg[_device.block_slice(j, block_k)]
+            kv_seg = None if refs.kv_seg is None else refs.kv_seg[cols]
             mask = common.block_mask(
                 refs.table, q_block * block_q, block_q, j * block_k, block_k, static,
                 static.band, q_seg, kv_seg,
-            )
+            ) & common.pair_visible(refs, slice(None), cols)
             logits = jnp.where(mask, logits, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
         rescale = jnp.exp2(row_max - new_max)
@@ -60,13 +61,14 @@ def _forward_kernel(refs, *, static, block_q, block_k, num_q_blocks):
     refs.lse[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) * common.LN2)
 
 
-def forward(q, k, v, q_seg, kv_seg, table, *, static, blocks):
+def forward(q, k, v, q_seg, kv_seg, table, *, static, blocks, mask=None, bias=None):
     """Runs the forward kernel on padded inputs.
 
     q (B, Tp, N, Dp), k/v (B, Sp, K, Dp) with Tp % block_q == 0, Sp % block_k == 0 and Dp a power
     of two; q_seg (B, Tp) / kv_seg (B, Sp) int32 or None; table (B, Tp // block_q, 8) from
-    `masking.block_table`; `blocks` a `tuning.KernelBlocks`. Returns out (B, Tp, N, Dp) in q's
-    dtype and lse (B, N, Tp) float32.
+    `masking.block_table`; `blocks` a `tuning.KernelBlocks`; mask (int8, nonzero: visible) and
+    bias (float, added to the logits after the soft cap) (B', N', T', S') with each dim 1 or
+    full (Tp, Sp), or None. Returns out (B, Tp, N, Dp) in q's dtype and lse (B, N, Tp) float32.
     """
     block_q, block_k = blocks.block_q, blocks.block_k
     batch, t_pad, heads, d_pad = q.shape
@@ -85,6 +87,8 @@ def forward(q, k, v, q_seg, kv_seg, table, *, static, blocks):
               .add("q", q_spec, q).add("k", kv_spec, k).add("v", kv_spec, v)
               .add("q_seg", pl.BlockSpec((None, block_q), lambda i, h, b: (b, q_block(i))), q_seg)
               .add("kv_seg", pl.BlockSpec((None, s_pad), lambda i, h, b: (b, 0)), kv_seg))
+    common.add_pairs(inputs, mask, bias, heads=None, rows=block_q, cols=s_pad,
+                     index=lambda i, h, b: (b, h, q_block(i), 0))
     outputs = (Operands().add("out", q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype))
                .add("lse", pl.BlockSpec((None, None, block_q), lambda i, h, b: (b, h, q_block(i))),
                     jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32)))

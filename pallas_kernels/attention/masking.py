@@ -148,3 +148,54 @@ def block_table(
     columns = [xp.broadcast_to(c, shape).astype(xp.int32) for c in columns]
     columns += [xp.zeros(shape, xp.int32)] * (TABLE_WIDTH - len(columns))
     return xp.stack(columns, axis=-1)
+
+
+def pair_blocks(pair_mask, *, num_row_blocks, row_block, num_col_blocks, col_block,
+                transpose=False):
+    """Which blocks of a user's mask hold a visible pair, and which hold only visible pairs.
+
+    `pair_mask` (B', N', T', S') boolean, padded to whole blocks; a dim of size 1 broadcasts.
+    Rows are query blocks, columns key blocks (`transpose`: rows are key blocks). Heads are
+    merged (a block is visible if any head sees a pair in it, full if every head sees all).
+    Returns (any, all), each (B', num_row_blocks, num_col_blocks) bool.
+    """
+    if transpose:
+        pair_mask = jnp.swapaxes(pair_mask, 2, 3)
+    b, n, rows, cols = pair_mask.shape
+    blocks = pair_mask.reshape(
+        b, n, 1 if rows == 1 else num_row_blocks, 1 if rows == 1 else row_block,
+        1 if cols == 1 else num_col_blocks, 1 if cols == 1 else col_block)
+    shape = (b, num_row_blocks, num_col_blocks)
+    return tuple(jnp.broadcast_to(reduce(blocks, axis=(1, 3, 5)), shape)
+                 for reduce in (jnp.any, jnp.all))
+
+
+def narrow_to_pairs(table, visible_any, visible_all):
+    """`block_table`'s table (B, R, TABLE_WIDTH) narrowed to the blocks a user's mask leaves
+    (`pair_blocks`' any and all, (B' , R, C)): [LO, HI) shrinks to the first and last block
+    with a visible pair, and [FULL_LO, FULL_HI) to the first run of blocks whose pairs are all
+    visible inside it (masked blocks between visible ones are still visited, with the mask)."""
+    table = jnp.asarray(table)
+    lo, hi, full_lo, full_hi = (table[..., c][..., None] for c in (LO, HI, FULL_LO, FULL_HI))
+    num_col_blocks = visible_any.shape[-1]
+    index = jnp.arange(num_col_blocks, dtype=jnp.int32)
+
+    def first(hits, default):  # (..., 1) the first column where hits, else default
+        return jnp.where(jnp.any(hits, -1, keepdims=True),
+                         jnp.argmax(hits, -1, keepdims=True).astype(jnp.int32), default)
+
+    inside = (index >= lo) & (index < hi)
+    new_lo = first(visible_any & inside, num_col_blocks)
+    new_hi = num_col_blocks - first((visible_any & inside)[..., ::-1], num_col_blocks)
+    empty = new_hi <= new_lo
+    new_lo, new_hi = jnp.where(empty, 0, new_lo), jnp.where(empty, 0, new_hi)
+    run_lo = first(visible_all & (index >= full_lo) & (index < full_hi), num_col_blocks)
+    run_hi = jnp.minimum(first(~visible_all & (index >= run_lo), num_col_blocks), full_hi)
+    no_run = run_hi <= run_lo
+    run_lo, run_hi = jnp.where(no_run, new_hi, run_lo), jnp.where(no_run, new_hi, run_hi)
+    columns = {LO: new_lo, HI: new_hi, FULL_LO: run_lo, FULL_HI: run_hi}
+    shape = jnp.broadcast_shapes(table.shape[:-1], new_lo.shape[:-1])
+    table = jnp.broadcast_to(table, (*shape, table.shape[-1]))
+    return jnp.stack(
+        [jnp.broadcast_to(columns[c][..., 0], shape) if c in columns else table[..., c]
+         for c in range(table.shape[-1])], axis=-1).astype(jnp.int32)

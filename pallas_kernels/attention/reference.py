@@ -16,6 +16,8 @@ def dot_product_attention(
     query,
     key,
     value,
+    bias=None,
+    mask=None,
     *,
     scale=None,
     is_causal=False,
@@ -52,14 +54,15 @@ def dot_product_attention(
 def banded_attention(
     query, key, value, *, scale, band, q_segment_ids=None, kv_segment_ids=None,
     query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None,
-    return_residual=False, upcast=True, shift=None,
+    return_residual=False, upcast=True, shift=None, mask=None, bias=None,
 ):
     """`dot_product_attention` with the causal mask and window given as `masking.band`'s band,
     shifted by `shift` (see `masking`: the keys' first global position minus the queries').
 
     Queries past `query_seq_lengths` and keys past `key_value_seq_lengths` are selected away
     before any product (as the kernels do), so whatever they hold, even NaN, never reaches an
-    output or a gradient.
+    output or a gradient. `mask` (boolean, True: visible) and `bias` (added to the logits after
+    the soft cap) broadcast to (B, N, T, S).
     """
     batch, t, n, h = query.shape
     s, k_heads = key.shape[1], key.shape[2]
@@ -75,6 +78,8 @@ def banded_attention(
     logits = matmul("btkgh,bskh->bkgts", q, key.astype(operand_dtype)) * scale
     if logits_soft_cap is not None:
         logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    if bias is not None:
+        logits = logits + _grouped(bias, k_heads).astype(jnp.float32)
     visible = masking.dense_mask(
         t, s,
         band=band,
@@ -84,6 +89,8 @@ def banded_attention(
         key_value_seq_lengths=key_value_seq_lengths,
         shift=shift,
     )[:, None, None]  # (B, 1, 1, T, S)
+    if mask is not None:
+        visible = visible & _grouped(mask, k_heads)
     logits = jnp.where(visible, logits, -jnp.inf)
     row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -106,3 +113,11 @@ def _zero_past(x, lengths):
     """x (B, L, ...) with the positions at or past lengths (B,) set to zero (selected)."""
     valid = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
     return jnp.where(valid.reshape(*valid.shape, *[1] * (x.ndim - 2)), x, jnp.zeros_like(x))
+
+
+def _grouped(pair, k_heads):
+    """A mask or bias broadcastable to (B, N, T, S) as (B', K', G', T', S') against the logits'
+    (B, K, G, T, S) (the query heads of each key/value head together)."""
+    pair = jnp.reshape(pair, (1,) * (4 - jnp.ndim(pair)) + jnp.shape(pair))
+    b, n, t, s = pair.shape
+    return pair[:, None] if n == 1 else pair.reshape(b, k_heads, n // k_heads, t, s)

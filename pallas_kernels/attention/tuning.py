@@ -46,9 +46,20 @@ class AttentionBlocks:
     dkv: KernelBlocks
     dq: KernelBlocks
 
-    def fit(self, t, s):
-        """Every tile shrunk to a query length t and a key length s (see `KernelBlocks.fit`)."""
-        return AttentionBlocks(self.forward.fit(t, s), self.dkv.fit(t, s), self.dq.fit(t, s))
+    def fit(self, t, s, has_pairs=False):
+        """Every tile shrunk to a query length t and a key length s (see `KernelBlocks.fit`).
+        `has_pairs` (a user's mask or bias, whose tiles are pipelined with the keys and values):
+        at most PAIR_STAGES stages, so that sm_90a's shared memory holds them."""
+        tiles = [b.fit(t, s) for b in (self.forward, self.dkv, self.dq)]
+        if has_pairs:
+            tiles = [dataclasses.replace(b, num_stages=min(b.num_stages, PAIR_STAGES))
+                     for b in tiles]
+        return AttentionBlocks(*tiles)
+
+
+# The forward's 3 stages at head dim 128 take 229,376 B of sm_90a shared memory; a mask and a
+# bias tile add 98,304 B over 232,448 B, 2 stages fit (`tests/test_machine_code.py`).
+PAIR_STAGES = 2
 
 
 def padded_head_dim(head_dim):

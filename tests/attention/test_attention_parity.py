@@ -1,0 +1,174 @@
+"""`dot_product_attention` as a drop-in for `jax.nn.dot_product_attention`: the same calls, by
+position and by name, with masks, biases, lengths, GQA and windows; the kernels (interpret mode)
+against jax.nn's own XLA attention in float32, outputs and every gradient, the bias's too."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels.attention import api, masking, tuning
+
+B, T, S, N, H = 2, 40, 48, 4, 16
+
+SMALL = tuning.AttentionBlocks(
+    tuning.KernelBlocks(16, 16, 4, 1),
+    tuning.KernelBlocks(16, 16, 4, 1),
+    tuning.KernelBlocks(16, 16, 4, 1),
+)
+
+
+def _inputs(seed, k_heads=N, t=T, s=S):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(keys[0], (B, t, N, H)),
+            jax.random.normal(keys[1], (B, s, k_heads, H)),
+            jax.random.normal(keys[2], (B, s, k_heads, H)))
+
+
+def _mask(seed, shape, t=T, s=S):
+    """A random boolean mask of `shape` (broadcastable to (B, N, T, S)) whose diagonal is
+    visible, so every query sees a key (jax.nn and this package differ on rows that see none)."""
+    keep = np.random.default_rng(seed).random(shape) < 0.7
+    if shape[-2] == t and shape[-1] == s:
+        keep |= np.eye(t, s, dtype=bool)
+    elif shape[-1] == s:
+        keep[..., 0] = True
+    return jnp.asarray(keep)
+
+
+def _bias(seed, shape):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+# (id, positional bias and mask (None: absent), jax.nn keywords, our extra keywords)
+CASES = [
+    ("mask BNTS", (None, _mask(1, (B, N, T, S))), {}),
+    ("mask B1TS gqa", (None, _mask(2, (B, 1, T, S))), {}),
+    ("mask 11TS causal window", (None, _mask(3, (1, 1, T, S))),
+     dict(is_causal=True, local_window_size=(9, 0))),
+    ("key mask B11S lengths", (None, _mask(4, (B, 1, 1, S))),
+     dict(query_seq_lengths=jnp.array([T, 25]), key_value_seq_lengths=jnp.array([S, 30]))),
+    ("bias BNTS", (_bias(5, (B, N, T, S)), None), {}),
+    ("bias 1N1S mask gqa causal", (_bias(6, (1, N, 1, S)), _mask(7, (B, 1, T, S))),
+     dict(is_causal=True)),
+    ("bias NTS unbatched", (_bias(8, (N, T, S)), None), dict(scale=0.3)),
+]
+GQA = {"mask B1TS gqa": 2, "bias 1N1S mask gqa causal": 1}
+
+
+def _grads(attention, q, k, v, bias, mask, kw):
+    """out and the gradients of a fixed random projection of it, for q, k, v (and the bias)."""
+    weights = jax.random.normal(jax.random.key(9), q.shape)
+
+    def loss(q, k, v, bias):
+        out = attention(q, k, v, bias, mask, **kw)
+        return jnp.sum(out * weights[..., :out.shape[-1]]), out
+
+    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(q, k, v, bias)
+    return out, grads
+
+
+def _jax_nn(q, k, v, bias, mask, **kw):
+    return jax.nn.dot_product_attention(q, k, v, bias, mask, implementation="xla", **kw)
+
+
+def _ours(q, k, v, bias, mask, **kw):
+    return pallas_kernels.dot_product_attention(q, k, v, bias, mask, implementation="pallas",
+                                                block_sizes=SMALL, **kw)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kernels_match_jax_nn(case):
+    name, (bias, mask), kw = case
+    q, k, v = _inputs(len(name), GQA.get(name, N))
+    if "unbatched" in name:
+        q, k, v = q[0], k[0], v[0]
+    ours = _grads(_ours, q, k, v, bias, mask, kw)
+    theirs = _grads(_jax_nn, q, k, v, bias, mask, kw)
+    rows = slice(None)
+    if "query_seq_lengths" in kw:  # jax.nn leaves rows past the length unmasked; ours are 0
+        valid = jnp.arange(T)[None, :] < kw["query_seq_lengths"][:, None]
+        rows = np.asarray(valid)
+    for label, x, ref in zip(("out", "dq", "dk", "dv", "dbias"), (ours[0], *ours[1]),
+                             (theirs[0], *theirs[1]), strict=False):
+        x, ref = np.asarray(x), np.asarray(ref)
+        if label in ("out", "dq"):
+            x, ref = x[rows], ref[rows]
+        np.testing.assert_allclose(x, ref, rtol=2e-5, atol=2e-5, err_msg=f"{name}: {label}")
+
+
+def test_positional_and_keyword_calls_agree():
+    """jax.nn's call forms: bias and mask by position or by name, keywords in any order."""
+    q, k, v = _inputs(0)
+    bias, mask = _bias(1, (1, N, T, S)), _mask(2, (B, 1, T, S))
+    forms = [
+        pallas_kernels.dot_product_attention(q, k, v, bias, mask, scale=0.2, is_causal=True),
+        pallas_kernels.dot_product_attention(query=q, key=k, value=v, mask=mask, bias=bias,
+                                             is_causal=np.bool_(True), scale=jnp.float32(0.2)),
+        jax.nn.dot_product_attention(q, k, v, bias, mask, scale=0.2, is_causal=True),
+    ]
+    for form in forms[1:]:
+        np.testing.assert_allclose(np.asarray(form), np.asarray(forms[0]), rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_several_batch_dims_and_unbatched_lengths():
+    q, k, v = _inputs(3)
+    lead = (2, 1)
+    q5, k5, v5 = (x[:, None].reshape(*lead, *x.shape[1:]) for x in (q, k, v))
+    kv_len = jnp.array([[S], [20]])
+    out = pallas_kernels.dot_product_attention(q5, k5, v5, key_value_seq_lengths=kv_len)
+    flat = pallas_kernels.dot_product_attention(q, k, v, key_value_seq_lengths=kv_len[:, 0])
+    assert out.shape == (*lead, T, N, H)
+    np.testing.assert_allclose(np.asarray(out).reshape(flat.shape), np.asarray(flat), atol=1e-6)
+    single = pallas_kernels.dot_product_attention(q[1], k[1], v[1],
+                                                  key_value_seq_lengths=jnp.int32(20))
+    np.testing.assert_allclose(np.asarray(single), np.asarray(flat[1]), atol=1e-6)
+
+
+def test_mask_equal_to_causal_visits_the_causal_blocks():
+    """The block tables built from a causal mask skip and leave unmasked the same blocks as
+    is_causal=True."""
+    q, k, _ = _inputs(0, t=128, s=128)
+    causal = jnp.tril(jnp.ones((128, 128), bool))[None, None].astype(jnp.int8)
+    for kernel in ("forward", "dq", "dkv"):
+        tables = []
+        for is_causal, mask in ((True, None), (False, causal)):
+            config = api._configure(q, k, False, None, None, None, SMALL, scale=1.0,
+                                    band=masking.band(is_causal, None), logits_soft_cap=None,
+                                    interpret=True, has_mask=mask is not None)
+            tables.append(np.asarray(api._tables(config, 128, 128, None, None, None, None, None,
+                                                 mask, kernel))[..., :4])
+        np.testing.assert_array_equal(tables[1], np.broadcast_to(tables[0], tables[1].shape),
+                                      err_msg=kernel)
+
+
+def test_traced_mask_and_bias_under_jit():
+    q, k, v = _inputs(4)
+    bias, mask = _bias(5, (B, N, T, S)), _mask(6, (B, N, T, S))
+    step = jax.jit(lambda q, bias, mask: _ours(q, k, v, bias, mask))
+    np.testing.assert_allclose(np.asarray(step(q, bias, mask)),
+                               np.asarray(_jax_nn(q, k, v, bias, mask)), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name,kwargs,error,needle", [
+    ("mask dtype", dict(mask=jnp.ones((T, S))), TypeError, "mask"),
+    ("mask shape", dict(mask=jnp.ones((3, T, S), bool)), ValueError, "mask"),
+    ("bias dtype", dict(bias=jnp.ones((T, S), jnp.int32)), TypeError, "bias"),
+    ("bias rank", dict(bias=jnp.ones((1, 1, 1, T, S))), ValueError, "bias"),
+    ("traced scale", dict(scale="traced"), TypeError, "scale"),
+    ("cudnn with segments", dict(implementation="cudnn", q_segment_ids=jnp.zeros((B, T), int),
+                                 kv_segment_ids=jnp.zeros((B, S), int)), ValueError,
+     "q_segment_ids"),
+    ("implementation", dict(implementation="fast"), ValueError, "implementation"),
+])
+def test_bad_arguments_name_themselves(name, kwargs, error, needle):
+    q, k, v = _inputs(0)
+    if kwargs.get("scale") == "traced":
+        with pytest.raises(error, match=needle):
+            jax.jit(lambda s: pallas_kernels.dot_product_attention(q, k, v, scale=s))(0.5)
+        return
+    with pytest.raises(error, match=needle):
+        pallas_kernels.dot_product_attention(q, k, v, **kwargs)
