@@ -1,8 +1,11 @@
 """Argument checks shared by the Flax layers: each raises a TypeError (wrong kind) or a
 ValueError (wrong value) naming the argument, before any array is built."""
 
+import math
 import numbers
+from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -41,3 +44,39 @@ def check_implementation(implementation):
     if implementation not in (None, *IMPLEMENTATIONS):
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+
+
+def check_positive_numbers(**numbers_or_none):
+    """Each must be None or a finite real number > 0."""
+    for name, value in numbers_or_none.items():
+        if value is None:
+            continue
+        if not isinstance(value, numbers.Real) or isinstance(value, bool | np.bool_):
+            raise TypeError(f"{name} must be a number or None, got {value!r}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0 or None, got {value}")
+
+
+def check_callables(**functions):
+    """Each must be None or callable (an initializer)."""
+    for name, function in functions.items():
+        if function is not None and not callable(function):
+            raise TypeError(f"{name} must be callable (an initializer), got {function!r}")
+
+
+def check_mappings(**mappings):
+    """Each must be a mapping (parameter metadata)."""
+    for name, mapping in mappings.items():
+        if not isinstance(mapping, Mapping):
+            raise TypeError(f"{name} must be a mapping, got {mapping!r}")
+
+
+def check_precision(precision):
+    """`precision` must be what `jax.lax.dot_general` takes: None, a `jax.lax.Precision` or its
+    name, a pair of them, or a dot algorithm (checked by tracing a dot with it)."""
+    one = jax.ShapeDtypeStruct((1, 1), jnp.float32)
+    try:
+        jax.eval_shape(lambda a, b: jnp.matmul(a, b, precision=precision), one, one)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"precision must be None, a jax.lax.Precision (or its name), a pair "
+                         f"of them or a dot algorithm, got {precision!r}") from error

@@ -19,11 +19,12 @@ and the projections back to `embed` sum the shards (`out_sharding=token_features
 """
 
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels import unzigzag, zigzag
 
@@ -226,7 +227,11 @@ def _mesh_axes(entry, mesh, size, used):
     return None if not kept else kept[0] if len(kept) == 1 else tuple(kept)
 
 
-def parameter_shardings(state, mesh, rules=LOGICAL_AXIS_RULES):
+def parameter_shardings(
+    state: nnx.State,
+    mesh: Mesh,
+    rules: Sequence[tuple[str, str | tuple[str, ...] | None]] = LOGICAL_AXIS_RULES,
+) -> nnx.State:
     """NamedShardings on `mesh` for a model's parameter state (`nnx.state(model, nnx.Param)`
     or `nnx.split`'s), from each parameter's logical axis names and `rules` ((logical name,
     mesh axes) pairs): a dimension is sharded over the rule's mesh axes that the mesh has and
@@ -256,7 +261,8 @@ def sharded_parameters(module):
             nnx.to_flat_state(nnx.state(module, nnx.Param)) if sharded(variable)]
 
 
-def gather_parameters(state, axes=GATHERED_AXES):
+def gather_parameters(state: nnx.State,
+                      axes: str | Sequence[str] | None = GATHERED_AXES) -> nnx.State:
     """The parameters gathered over the mesh `axes` (None: all of them, the parameters whole on
     every device), on a mesh with Explicit axes; unchanged elsewhere. The default gathers what
     fully sharded data parallelism shards, at a step's start (the gradients come back

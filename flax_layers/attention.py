@@ -9,18 +9,26 @@
 import math
 import numbers
 import warnings
-from typing import NamedTuple
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.nn.initializers import Initializer
+from jax.typing import DTypeLike
 
 import pallas_kernels
 from flax_layers._checks import (
+    check_callables,
     check_dtypes,
     check_flags,
     check_implementation,
+    check_mappings,
+    check_positive_numbers,
+    check_precision,
     check_sizes,
 )
 from flax_layers._sharding import logical, on_whole_sequence, sequence_parts, token_features
@@ -28,6 +36,7 @@ from pallas_kernels import arguments, zigzag
 
 _WARNED = set()
 DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
+DEFAULT_BIAS_INIT = nnx.initializers.zeros_init()
 
 
 def _warn_once(reason):
@@ -41,49 +50,73 @@ def _warn_once(reason):
 
 
 def flash_attention_fn(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
-    broadcast_dropout=True,
-    dropout_rng=None,
-    dropout_rate=0.0,
-    deterministic=False,
-    dtype=None,
-    precision=None,
-    module=None,
-    is_causal=False,
-):
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: DTypeLike | None = None,
+    precision: jax.lax.PrecisionLike = None,
+    module: nnx.Module | None = None,
+    is_causal: bool = False,
+    input_positions: jax.Array | None = None,
+    rope: nnx.RoPE | None = None,
+) -> jax.Array:
     """FlashAttention with flax's `attention_fn` signature (every parameter named: Linen passes
-    only those in the signature).
+    only those in the signature), for `nnx.MultiHeadAttention` (decode mode included) and
+    `linen.MultiHeadDotProductAttention`.
 
-    query (..., T, N, H), key/value (..., S, K, H) with N % K == 0. Without a mask, bias, active
-    dropout or a module to sow weights into, it runs `pallas_kernels.dot_product_attention`
-    (causal when `is_causal`); otherwise it falls back to `flax.nnx.dot_product_attention` and
-    warns once per reason. Returns (..., T, N, H).
+    query (..., T, N, H), key/value (..., S, K, H) with N % K == 0, promoted to `dtype` (default
+    their common dtype); `bias` and boolean `mask` broadcastable to (..., N, T, S). Returns
+    (..., T, N, H).
+
+    It runs `pallas_kernels.dot_product_attention` (causal when `is_causal`) with the mask and
+    the bias, read tile by tile in the kernels; `nnx.MultiHeadAttention(decode=True)`'s cache
+    mask skips the cache's empty blocks. One difference from flax: a query whose mask hides
+    every key gets 0 here, the mean of the values in flax. Active dropout or a module to sow
+    weights into fall back to `flax.nnx.dot_product_attention`, with a warning once per reason.
+
+    With `rope` (an `nnx.RoPE`: `functools.partial(flash_attention_fn, rope=rope)` in place of
+    `nnx.dot_product_attention_with_rope`) the query and the key are rotated first, at
+    `input_positions` (..., T) (self-attention, T == S) or by default at 0..T-1 and 0..S-1.
+    `input_positions` without `rope` is a ValueError: they place tokens for rotary embeddings.
     """
+    if rope is not None:
+        query, key = (_rotate(rope, x, input_positions) for x in (query, key))
+    elif input_positions is not None:
+        raise ValueError("input_positions place the tokens for rotary embeddings; pass the "
+                         "nnx.RoPE too: functools.partial(flash_attention_fn, rope=rope)")
+    dtype = jnp.result_type(query, key, value) if dtype is None else dtype
+    query, key, value = (x.astype(dtype) for x in (query, key, value))
     dropout_active = dropout_rate > 0.0 and not deterministic
-    reason = (
-        "a dense mask" if mask is not None
-        else "a bias" if bias is not None
-        else "dropout" if dropout_active
-        else "sow_weights (module)" if module is not None
-        else None
-    )
+    reason = ("dropout" if dropout_active
+              else "sow_weights (module)" if module is not None
+              else None)
     if reason is not None:
         _warn_once(reason)
         return nnx.dot_product_attention(
             query, key, value, bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
             dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
-            dtype=dtype, precision=precision, module=module, is_causal=is_causal,
-        )
-    if dtype is not None:
-        query, key, value = (x.astype(dtype) for x in (query, key, value))
-    batch_shape = query.shape[:-3]
-    flat = [x.reshape(-1, *x.shape[-3:]) for x in (query, key, value)]
-    out = pallas_kernels.dot_product_attention(*flat, is_causal=is_causal)
-    return out.reshape(*batch_shape, *out.shape[-3:])
+            dtype=dtype, precision=precision, module=module, is_causal=is_causal)
+    return pallas_kernels.dot_product_attention(  # flax's masks may be 0/1 floats
+        query, key, value, None if bias is None else bias.astype(dtype),
+        None if mask is None else mask.astype(bool), is_causal=is_causal)
+
+
+def _rotate(rope, x, positions):
+    """x (..., T, heads, H) through `rope` (an `nnx.RoPE`) head by head, at positions (T,) or
+    (..., T), or None (its default)."""
+    per_head = jax.vmap(rope, in_axes=(-2, None), out_axes=-2)
+    if positions is None or positions.ndim == 1:
+        return per_head(x, positions)
+    positions = jnp.broadcast_to(positions, x.shape[:-2])  # RoPE takes one row's positions
+    for _ in range(positions.ndim - 1):
+        per_head = jax.vmap(per_head)
+    return per_head(x, positions)
 
 
 def rotary_embedding(x, positions, theta):
@@ -178,96 +211,149 @@ def empty_kv_cache(batch, max_length, kv_heads, head_dim, dtype=jnp.float32, pag
 class FlashMultiHeadAttention(nnx.Module):
     """Multi-head attention on the FlashAttention kernels, mirroring `nnx.MultiHeadAttention`.
 
-    Projections: query (in_features -> num_heads x head_dim), key and value (-> num_kv_heads x
-    head_dim, GQA when num_kv_heads < num_heads), output (-> out_features), with head_dim =
-    qkv_features // num_heads. Options: `is_causal`, `local_window_size`, `logits_soft_cap` (as
-    `pallas_kernels.dot_product_attention`, checked here with the kernel's own checks so that
-    the forward and the decode path reject the same values) and rotary embeddings with base
-    `rope_theta`. On a mesh whose sequence axis shards the tokens, `context_parallelism`
-    ("all_gather" or "ring") picks how the devices share keys and values, and
-    `sequence_order` says how the tokens lie on the devices ("contiguous", or "zigzag": put in
-    `pallas_kernels.zigzag` order once, with their segment ids; positions follow). Every argument is
-    checked at construction (ValueError or TypeError naming it).
+    Projections: query (in_features -> num_heads x head_dim), key and value (in_kv_features,
+    default in_features, -> num_kv_heads x head_dim, GQA when num_kv_heads < num_heads), output
+    (-> out_features), with head_dim = qkv_features // num_heads; as nnx's, with biases unless
+    `use_bias=False`, `kernel_init` and `bias_init` (`out_kernel_init` and `out_bias_init` for
+    the output where given), `precision` for the projections, and `kernel_metadata` and
+    `bias_metadata` (`out_*` likewise) added to the parameters' logical axis names. Attention:
+    logits scaled by `scale` (default 1/sqrt(head_dim)), `is_causal`, `local_window_size`,
+    `logits_soft_cap` (as `pallas_kernels.dot_product_attention`, checked here with the
+    kernel's own checks so that the forward and the decode path reject the same values) and
+    rotary embeddings with base `rope_theta`. On a mesh whose sequence axis shards the tokens,
+    `context_parallelism` ("all_gather" or "ring") picks how the devices share keys and values,
+    and `sequence_order` says how the tokens lie on the devices ("contiguous", or "zigzag": put
+    in `pallas_kernels.zigzag` order once, with their segment ids; positions follow). Every
+    argument is checked at construction (ValueError or TypeError naming it). nnx's dropout and
+    QK normalisation are not offered (the kernels have no dropout).
 
     `__call__(inputs_q (B, T, F), inputs_kv=None, *, q_segment_ids=None, kv_segment_ids=None,
     decode=None)` returns (B, T, out_features). With `decode=True` (after `init_cache`) each call
     takes the next tokens (self-attention, no segment ids), appends their keys and values to the
     cache and attends over the filled part, continuing the positions where the last call
-    stopped; `attend_cached` says what happens to tokens that do not fit. A call without
-    `decode` never touches the cache.
+    stopped; `attend_cached` says what happens to tokens that do not fit. A call with `decode`
+    False never touches the cache; `decode=None` takes the layer's `decode` (the
+    constructor's, or `nnx.view(layer, decode=...)`'s).
     """
 
     def __init__(
         self,
-        num_heads,
-        in_features,
-        qkv_features=None,
-        out_features=None,
+        num_heads: int,
+        in_features: int,
+        qkv_features: int | None = None,
+        out_features: int | None = None,
+        num_kv_heads: int | None = None,
+        in_kv_features: int | None = None,
         *,
-        num_kv_heads=None,
-        is_causal=False,
-        local_window_size=None,
-        logits_soft_cap=None,
-        rope_theta=None,
-        use_bias=False,
-        dtype=None,
-        param_dtype=jnp.float32,
-        kernel_init=DEFAULT_KERNEL_INIT,
-        implementation=None,
-        context_parallelism="all_gather",
-        sequence_order="contiguous",
-        rngs,
+        is_causal: bool = False,
+        local_window_size: int | tuple[int, int] | None = None,
+        logits_soft_cap: float | None = None,
+        rope_theta: float | None = None,
+        scale: float | None = None,
+        use_bias: bool = True,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
+        precision: jax.lax.PrecisionLike = None,
+        kernel_init: Initializer = DEFAULT_KERNEL_INIT,
+        out_kernel_init: Initializer | None = None,
+        bias_init: Initializer = DEFAULT_BIAS_INIT,
+        out_bias_init: Initializer | None = None,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        decode: bool = False,
+        implementation: str | None = None,
+        context_parallelism: str = "all_gather",
+        sequence_order: str = "contiguous",
+        rngs: nnx.Rngs,
     ):
         qkv_features = in_features if qkv_features is None else qkv_features
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         out_features = in_features if out_features is None else out_features
-        check_sizes(in_features=in_features, out_features=out_features)
+        in_kv_features = in_features if in_kv_features is None else in_kv_features
+        check_sizes(in_features=in_features, out_features=out_features,
+                    in_kv_features=in_kv_features)
         self.head_dim = check_heads(num_heads, num_kv_heads, qkv_features, rope_theta)
-        check_flags(is_causal=is_causal, use_bias=use_bias)
+        check_flags(is_causal=is_causal, use_bias=use_bias, decode=decode)
+        check_positive_numbers(scale=scale)
         check_dtypes(dtype=dtype, param_dtype=param_dtype)
+        check_precision(precision)
+        check_callables(kernel_init=kernel_init, out_kernel_init=out_kernel_init,
+                        bias_init=bias_init, out_bias_init=out_bias_init)
+        check_mappings(kernel_metadata=kernel_metadata, out_kernel_metadata=out_kernel_metadata,
+                       bias_metadata=bias_metadata, out_bias_metadata=out_bias_metadata)
         check_implementation(implementation)
         self.context_parallelism = arguments.check_context_parallelism(context_parallelism)
         self.sequence_order = arguments.check_sequence_order(sequence_order)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.in_features, self.out_features = in_features, out_features
-        self.is_causal = is_causal
+        self.in_features, self.in_kv_features = in_features, in_kv_features
+        self.out_features = out_features
+        self.is_causal, self.scale, self.decode = is_causal, scale, decode
         self.local_window_size = arguments.check_window(local_window_size)
         self.logits_soft_cap = arguments.check_soft_cap(logits_soft_cap)
         self.rope_theta = rope_theta
         self.dtype, self.implementation = dtype, implementation
 
-        def projection(features_in, out_shape, axis, in_names, out_names):
+        def projection(features_in, out_shape, axis, in_names, out_names, *, kernel_init,
+                       bias_init, kernel_metadata, bias_metadata):
             return nnx.LinearGeneral(
                 features_in, out_shape, axis=axis, use_bias=use_bias, dtype=dtype,
-                param_dtype=param_dtype, kernel_init=kernel_init,
-                kernel_metadata=logical(*in_names, *out_names),
-                bias_metadata=logical(*out_names), rngs=rngs,
+                param_dtype=param_dtype, precision=precision, kernel_init=kernel_init,
+                bias_init=bias_init, kernel_metadata=logical(*in_names, *out_names) | dict(
+                    kernel_metadata), bias_metadata=logical(*out_names) | dict(bias_metadata),
+                rngs=rngs,
             )
 
+        inits = dict(kernel_init=kernel_init, bias_init=bias_init,
+                     kernel_metadata=kernel_metadata, bias_metadata=bias_metadata)
+        out_inits = dict(kernel_init=out_kernel_init or kernel_init,
+                         bias_init=out_bias_init or bias_init,
+                         kernel_metadata=out_kernel_metadata or kernel_metadata,
+                         bias_metadata=out_bias_metadata or bias_metadata)
         heads, kv_heads = ("heads", "head_dim"), ("kv_heads", "head_dim")
-        self.query = projection(in_features, (num_heads, self.head_dim), -1, ("embed",), heads)
-        self.key = projection(in_features, (num_kv_heads, self.head_dim), -1, ("embed",),
-                              kv_heads)
-        self.value = projection(in_features, (num_kv_heads, self.head_dim), -1, ("embed",),
-                                kv_heads)
+        self.query = projection(in_features, (num_heads, self.head_dim), -1, ("embed",), heads,
+                                **inits)
+        self.key = projection(in_kv_features, (num_kv_heads, self.head_dim), -1, ("embed",),
+                              kv_heads, **inits)
+        self.value = projection(in_kv_features, (num_kv_heads, self.head_dim), -1, ("embed",),
+                                kv_heads, **inits)
         self.out = projection((num_heads, self.head_dim), self.out_features, (-2, -1), heads,
-                              ("embed",))
+                              ("embed",), **out_inits)
         self.cache = nnx.data(None)
 
-    def empty_cache(self, batch, max_length, dtype=jnp.float32, page_size=None):
+    def empty_cache(self, batch: int, max_length: int, dtype: DTypeLike = jnp.float32,
+                    page_size: int | None = None) -> KVCache:
         """An empty KVCache of this layer's KV heads for `attend_cached` (a cache held outside
         this module); see `empty_kv_cache` for `dtype` and `page_size`."""
         return empty_kv_cache(batch, max_length, self.num_kv_heads, self.head_dim, dtype,
                               page_size)
 
-    def init_cache(self, input_shape, dtype=jnp.float32, page_size=None):
+    def init_cache(self, input_shape: tuple[int, ...], dtype: DTypeLike = jnp.float32,
+                   page_size: int | None = None) -> None:
         """Allocates the module's KV cache for input_shape = (batch, max_length, features)."""
         self.cache = KVCacheSlot(self.empty_cache(input_shape[0], input_shape[1], dtype,
                                                   page_size))
 
-    def __call__(self, inputs_q, inputs_kv=None, *, q_segment_ids=None, kv_segment_ids=None,
-                 decode=None):
-        if decode:
+    def set_view(self, decode: bool | None = None, batch_size: int | None = None,
+                 max_length: int | None = None) -> None:
+        """For `nnx.view(model, decode=..., batch_size=..., max_length=...)`, as
+        `nnx.MultiHeadAttention`'s: `decode` becomes the default of `__call__`'s; batch_size
+        and max_length (together) allocate an empty cache (`init_cache`)."""
+        if decode is not None:
+            check_flags(decode=decode)
+            self.decode = decode
+        if (batch_size is None) != (max_length is None):
+            raise ValueError("set_view allocates a cache from batch_size and max_length "
+                             f"together, got batch_size={batch_size}, max_length={max_length}")
+        if batch_size is not None:
+            self.init_cache((batch_size, max_length, self.in_features))
+
+    def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
+                 q_segment_ids: jax.Array | None = None,
+                 kv_segment_ids: jax.Array | None = None,
+                 decode: bool | None = None) -> jax.Array:
+        if self.decode if decode is None else decode:
             return self._decode(inputs_q, inputs_kv, q_segment_ids, kv_segment_ids)
         inputs_kv = inputs_q if inputs_kv is None else inputs_kv
         query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv)
@@ -277,7 +363,7 @@ class FlashMultiHeadAttention(nnx.Module):
             key = rotary_embedding(key, self._positions(inputs_kv, kv_segment_ids),
                                    self.rope_theta)
         out = pallas_kernels.dot_product_attention(
-            query, key, value, is_causal=self.is_causal,
+            query, key, value, scale=self.scale, is_causal=self.is_causal,
             local_window_size=self.local_window_size, logits_soft_cap=self.logits_soft_cap,
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
             implementation=self.implementation, context_parallelism=self.context_parallelism,
@@ -305,7 +391,9 @@ class FlashMultiHeadAttention(nnx.Module):
             positions = zigzag(positions, sequence_parts(inputs), axis=0)
         return jnp.broadcast_to(positions, inputs.shape[:2])
 
-    def attend_cached(self, inputs, cache, *, new_lengths=None, fresh=False):
+    def attend_cached(self, inputs: jax.Array, cache: KVCache, *,
+                      new_lengths: jax.Array | None = None,
+                      fresh: bool = False) -> tuple[jax.Array, KVCache]:
         """Self-attention of new tokens (B, n, F) that continue `cache`: writes their keys and
         values after each row's filled positions (`pallas_kernels.update_kv_cache`, which
         quantises for 8-bit caches) and attends over the row's keys up to each token
@@ -320,7 +408,8 @@ class FlashMultiHeadAttention(nnx.Module):
         and values as computed (an 8-bit or lower-precision cache rounds them only for the
         tokens after).
 
-        Decoding is causal: a layer without `is_causal` raises a ValueError. A batch other than
+        Decoding is causal self-attention: a layer without `is_causal`, or with in_kv_features
+        other than in_features, raises a ValueError. A batch other than
         the cache's, or more than its capacity of new tokens, is a ValueError; so is a call past
         the capacity where the lengths are known (eager). Under jit they are not: a row whose
         tokens do not fit keeps its keys and values and gets NaN outputs, and its length still
@@ -328,6 +417,9 @@ class FlashMultiHeadAttention(nnx.Module):
         """
         if not self.is_causal:
             raise ValueError("decode=True needs a causal layer (is_causal=True)")
+        if self.in_kv_features != self.in_features:
+            raise ValueError(f"decode=True is self-attention: it needs in_kv_features "
+                             f"({self.in_kv_features}) == in_features ({self.in_features})")
         batch, new = inputs.shape[:2]
         cache.check_fits(batch, new)
         real = (jnp.full((batch,), new, jnp.int32) if new_lengths is None
@@ -344,7 +436,7 @@ class FlashMultiHeadAttention(nnx.Module):
             block_table=cache.block_table, k_scale=cache.k_scale, v_scale=cache.v_scale)
         written = KVCache(keys, values, cache.lengths + real, k_scale, v_scale,
                           cache.block_table)
-        options = dict(local_window_size=self.local_window_size,
+        options = dict(scale=self.scale, local_window_size=self.local_window_size,
                        logits_soft_cap=self.logits_soft_cap, implementation=self.implementation)
         if fresh:
             out = pallas_kernels.dot_product_attention(

@@ -5,7 +5,9 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 import pallas_kernels
 from flax_layers._checks import check_dtypes, check_flags, check_implementation, check_sizes
@@ -19,14 +21,18 @@ from flax_layers._sharding import (
 from pallas_kernels import arguments
 
 
-def _torch_linear_init(fan_in):
-    """PyTorch's default Linear/Conv init: uniform(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
-    bound = 1.0 / math.sqrt(fan_in)
+def _uniform(bound):
+    """An initialiser uniform in [-bound, bound)."""
 
     def init(key, shape, dtype=jnp.float32):
         return jax.random.uniform(key, shape, dtype, -bound, bound)
 
     return init
+
+
+def _torch_linear_init(fan_in):
+    """PyTorch's default Linear/Conv init: uniform(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    return _uniform(1.0 / math.sqrt(fan_in))
 
 
 def _param(rngs, init, shape, dtype, names):
@@ -36,64 +42,75 @@ def _param(rngs, init, shape, dtype, names):
 class Mamba2(nnx.Module):
     """Mamba2 mixer: in_proj -> causal depthwise conv (SiLU) -> SSD -> gated RMSNorm -> out_proj.
 
-    Same parameters, initialisation and meaning as mamba_ssm's `Mamba2` (without its optional
-    gated-MLP part): in_proj output ordered [z, x, B, C, dt]; a width-`d_conv` causal conv over
-    x, B and C; A = -exp(A_log); dt_bias at the inverse softplus of a log-uniform dt in
-    [dt_min, dt_max] (floored at dt_init_floor); the SSD kernel with dt_softplus; a gated
-    RMSNorm over groups of d_inner / ngroups channels (y * silu(z) then the norm, or the reverse
-    with `norm_before_gate`); out_proj.
+    Same parameters, initialisation and meaning as mamba_ssm's `Mamba2`: in_proj's output
+    ordered [z0, x0, z, x, B, C, dt]; a width-`d_conv` causal conv over x, B and C (weights
+    uniform in +-conv_init where given, else PyTorch's default); A = -exp(A_log); dt_bias at the
+    inverse softplus of a log-uniform dt in [dt_min, dt_max] (floored at dt_init_floor); the SSD
+    kernel with dt_softplus on x, of d_ssm channels (default d_inner = expand * d_model); a
+    gated RMSNorm over groups of d_ssm / ngroups channels (y * silu(z) then the norm, or the
+    reverse with `norm_before_gate`); where d_ssm < d_inner, the other d_mlp = d_inner - d_ssm
+    channels are a gated MLP, silu(z0) * x0, put before y; out_proj. `layer_idx` only names
+    the layer (mamba_ssm keys its inference caches by it).
 
     Every argument is checked at construction (ValueError or TypeError naming it).
 
-    `__call__(u (B, T, d_model), *, seq_idx=None, decode=False)` returns (B, T, d_model). A
-    forward (without `decode`) never touches the caches. With `decode=True` (after `init_cache`)
-    the tokens continue the cached conv and SSM states, which the call advances: one token
-    through `selective_state_update`, several (a prefill) through the chunked scan from the
-    cached states, which gives the same result. A whole sequence decoded from an empty cache
-    gives the forward's outputs. `lengths` (B,) (decode only) says how many of each row's T
-    tokens are real (a ragged prompt, padded at the end): the states advance over those only.
+    `__call__(u (B, T, d_model), *, seq_idx=None, decode=None, lengths=None)` returns (B, T,
+    d_model). A forward (`decode` False) never touches the caches. With `decode=True` (after
+    `init_cache`) the tokens continue the cached conv and SSM states, which the call advances:
+    one token through `selective_state_update`, several (a prefill) through the chunked scan
+    from the cached states, which gives the same result. A whole sequence decoded from an
+    empty cache gives the forward's outputs. `lengths` (B,) (decode only) says how many of each
+    row's T tokens are real (a ragged prompt, padded at the end): the states advance over those
+    only. `decode=None` takes the layer's `decode` (the constructor's, or `nnx.view`'s).
     """
 
     def __init__(
         self,
-        d_model,
+        d_model: int,
         *,
-        d_state=128,
-        d_conv=4,
-        expand=2,
-        headdim=64,
-        ngroups=1,
-        chunk_size=256,
-        A_init_range=(1, 16),
-        dt_min=0.001,
-        dt_max=0.1,
-        dt_init_floor=1e-4,
-        dt_limit=(0.0, float("inf")),
-        D_has_hdim=False,
-        rmsnorm=True,
-        norm_before_gate=False,
-        conv_bias=True,
-        bias=False,
-        dtype=None,
-        param_dtype=jnp.float32,
-        implementation=None,
-        rngs,
+        d_state: int = 128,
+        d_conv: int = 4,
+        conv_init: float | None = None,
+        expand: int = 2,
+        headdim: int = 64,
+        d_ssm: int | None = None,
+        ngroups: int = 1,
+        A_init_range: tuple[float, float] = (1, 16),
+        D_has_hdim: bool = False,
+        rmsnorm: bool = True,
+        norm_before_gate: bool = False,
+        dt_min: float = 0.001,
+        dt_max: float = 0.1,
+        dt_init_floor: float = 1e-4,
+        dt_limit: tuple[float, float] = (0.0, float("inf")),
+        bias: bool = False,
+        conv_bias: bool = True,
+        chunk_size: int = 256,
+        layer_idx: int | None = None,
+        decode: bool = False,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
+        implementation: str | None = None,
+        rngs: nnx.Rngs,
     ):
-        d_inner, nheads = mixer_shape(d_model, d_state, d_conv, expand, headdim, ngroups,
-                                      chunk_size)
-        _check_initialisation(A_init_range, dt_min, dt_max, dt_init_floor)
+        d_inner, d_ssm, nheads = mixer_shape(d_model, d_state, d_conv, expand, headdim, ngroups,
+                                             chunk_size, d_ssm)
+        _check_initialisation(A_init_range, dt_min, dt_max, dt_init_floor, conv_init)
+        _check_layer_idx(layer_idx)
         dt_limit = arguments.check_dt_limit(dt_limit)
         check_flags(D_has_hdim=D_has_hdim, rmsnorm=rmsnorm, norm_before_gate=norm_before_gate,
-                    conv_bias=conv_bias, bias=bias)
+                    conv_bias=conv_bias, bias=bias, decode=decode)
         check_dtypes(dtype=dtype, param_dtype=param_dtype)
         check_implementation(implementation)
         self.d_model, self.d_inner, self.d_state, self.d_conv = d_model, d_inner, d_state, d_conv
+        self.d_ssm, self.d_mlp = d_ssm, d_inner - d_ssm
         self.headdim, self.nheads, self.ngroups = headdim, nheads, ngroups
-        self.chunk_size, self.dt_limit, self.rmsnorm = chunk_size, dt_limit, rmsnorm
-        self.D_has_hdim = D_has_hdim
+        self.chunk_size = int(chunk_size)  # the kernel takes a Python int, not a numpy one
+        self.dt_limit, self.rmsnorm = dt_limit, rmsnorm
+        self.D_has_hdim, self.layer_idx, self.decode = D_has_hdim, layer_idx, decode
         self.norm_before_gate, self.dtype, self.implementation = (
             norm_before_gate, dtype, implementation)
-        self.conv_dim = d_inner + 2 * ngroups * d_state
+        self.conv_dim = d_ssm + 2 * ngroups * d_state
         d_in_proj = 2 * d_inner + 2 * ngroups * d_state + nheads
 
         self.in_proj = nnx.Linear(
@@ -101,8 +118,10 @@ class Mamba2(nnx.Module):
             kernel_init=_torch_linear_init(d_model), bias_init=_torch_linear_init(d_model),
             kernel_metadata=logical("embed", "inner"), bias_metadata=logical("inner"), rngs=rngs,
         )
-        self.conv_weight = _param(rngs, _torch_linear_init(d_conv), (d_conv, self.conv_dim),
-                                  param_dtype, ("conv_width", "inner"))
+        conv_weight_init = (_torch_linear_init(d_conv) if conv_init is None
+                            else _uniform(conv_init))
+        self.conv_weight = _param(rngs, conv_weight_init, (d_conv, self.conv_dim), param_dtype,
+                                  ("conv_width", "inner"))
         self.conv_bias = (
             _param(rngs, _torch_linear_init(d_conv), (self.conv_dim,), param_dtype, ("inner",))
             if conv_bias else None
@@ -114,10 +133,10 @@ class Mamba2(nnx.Module):
         self.dt_bias = logical_param(dt + jnp.log(-jnp.expm1(-dt)), "heads")
         a = jax.random.uniform(key_a, (nheads,), jnp.float32, *A_init_range)
         self.A_log = logical_param(jnp.log(a), "heads")
-        self.D = logical_param(jnp.ones((d_inner,) if D_has_hdim else (nheads,), jnp.float32),
+        self.D = logical_param(jnp.ones((d_ssm,) if D_has_hdim else (nheads,), jnp.float32),
                                "inner" if D_has_hdim else "heads")
         self.norm_weight = (
-            logical_param(jnp.ones((d_inner,), param_dtype), "inner") if rmsnorm else None
+            logical_param(jnp.ones((d_ssm,), param_dtype), "inner") if rmsnorm else None
         )
         self.out_proj = nnx.Linear(
             d_inner, d_model, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
@@ -127,13 +146,22 @@ class Mamba2(nnx.Module):
         self.conv_state = nnx.data(None)
         self.ssm_state = nnx.data(None)
 
-    def init_cache(self, batch_size, dtype=jnp.float32):
+    def init_cache(self, batch_size: int, dtype: DTypeLike = jnp.float32) -> None:
         """Zero conv state (B, d_conv - 1, conv_dim) and SSM state (B, H, P, N) float32."""
         check_sizes(batch_size=batch_size)
         self.conv_state = nnx.Cache(jnp.zeros((batch_size, self.d_conv - 1, self.conv_dim),
                                               dtype))
         self.ssm_state = nnx.Cache(jnp.zeros(
             (batch_size, self.nheads, self.headdim, self.d_state), jnp.float32))
+
+    def set_view(self, decode: bool | None = None, batch_size: int | None = None) -> None:
+        """For `nnx.view(model, decode=..., batch_size=...)`: `decode` becomes the default of
+        `__call__`'s; `batch_size` allocates empty caches (`init_cache`)."""
+        if decode is not None:
+            check_flags(decode=decode)
+            self.decode = decode
+        if batch_size is not None:
+            self.init_cache(batch_size)
 
     def check_cache(self, batch):
         """A ValueError unless the decode caches exist and hold `batch` rows."""
@@ -146,8 +174,12 @@ class Mamba2(nnx.Module):
     # -----------------------------------------------------------------------------------------
 
     def _split(self, zxbcdt):
-        d, gn = self.d_inner, self.ngroups * self.d_state
-        return zxbcdt[..., :d], zxbcdt[..., d:2 * d + 2 * gn], zxbcdt[..., 2 * d + 2 * gn:]
+        """in_proj's output (..., d_in_proj) as mamba_ssm orders it: the gated MLP's [z0, x0]
+        (..., 2 d_mlp), z (..., d_ssm), xBC (..., conv_dim) and dt (..., H)."""
+        mlp, d = 2 * self.d_mlp, self.d_ssm
+        xbc_end = mlp + d + self.conv_dim
+        return (zxbcdt[..., :mlp], zxbcdt[..., mlp:mlp + d], zxbcdt[..., mlp + d:xbc_end],
+                zxbcdt[..., xbc_end:])
 
     def _conv(self, xbc, history, seq_idx=None):
         """Causal depthwise conv + SiLU over (B, T, C) with `history` (B, d_conv - 1, C). On a
@@ -166,7 +198,7 @@ class Mamba2(nnx.Module):
                 c.reshape(*lead, self.ngroups, self.d_state))
 
     def _ssd_inputs(self, xbc):
-        d, gn = self.d_inner, self.ngroups * self.d_state
+        d, gn = self.d_ssm, self.ngroups * self.d_state
         return self._heads(xbc[..., :d], xbc[..., d:d + gn], xbc[..., d + gn:])
 
     def _d(self):
@@ -174,10 +206,11 @@ class Mamba2(nnx.Module):
         d = self.D[...]
         return d.reshape(self.nheads, self.headdim) if self.D_has_hdim else d
 
-    def _norm_and_project(self, y, z):
-        """Gated grouped RMSNorm (without rmsnorm the SSD already applied the gate), out_proj.
+    def _norm_and_project(self, y, z, mlp):
+        """Gated grouped RMSNorm (without rmsnorm the SSD already applied the gate), the gated
+        MLP's silu(z0) * x0 before it where d_mlp > 0, out_proj.
 
-        y, z (..., d_inner).
+        y, z (..., d_ssm); mlp [z0, x0] (..., 2 d_mlp).
         """
         y = y.astype(jnp.float32)
         gate = jax.nn.silu(z.astype(jnp.float32))
@@ -194,17 +227,25 @@ class Mamba2(nnx.Module):
             y = y * self.norm_weight[...].astype(jnp.float32)
             if self.norm_before_gate:
                 y = y * gate
+        if self.d_mlp:
+            z0, x0 = jnp.split(mlp.astype(jnp.float32), 2, axis=-1)
+            features = token_features(z)
+            if features is not None:  # y may be sharded over heads; the MLP's part is whole
+                y = jax.sharding.reshard(y, features)
+            y = jnp.concatenate([jax.nn.silu(z0) * x0, y], axis=-1)
         dtype = self.dtype or self.out_proj.kernel[...].dtype
         return self.out_proj(y.astype(dtype), out_sharding=token_features(z))
 
-    def __call__(self, u, *, seq_idx=None, decode=False, lengths=None):
+    def __call__(self, u: jax.Array, *, seq_idx: jax.Array | None = None,
+                 decode: bool | None = None, lengths: jax.Array | None = None) -> jax.Array:
+        decode = self.decode if decode is None else decode
         if decode:
             if seq_idx is not None:
                 raise ValueError("decode=True continues one sequence per row: it takes no seq_idx")
             self.check_cache(u.shape[0])
         elif lengths is not None:
             raise ValueError("lengths is for decode=True (a forward takes seq_idx)")
-        z, xbc, dt = self._split(self.in_proj(u))
+        mlp, z, xbc, dt = self._split(self.in_proj(u))
         if decode:
             states = (self.conv_state[...], self.ssm_state[...])
             if u.shape[1] == 1:
@@ -219,11 +260,11 @@ class Mamba2(nnx.Module):
         else:
             history = jnp.zeros((u.shape[0], self.d_conv - 1, self.conv_dim), xbc.dtype)
             y, _ = self._scan(z, xbc, dt, history, None, seq_idx, caches=False)
-        return self._norm_and_project(y, z)
+        return self._norm_and_project(y, z, mlp)
 
     def _scan(self, z, xbc, dt, history, initial_states, seq_idx=None, *, caches=True):
         """The chunked scan over (B, T, ...) from conv `history` (B, d_conv - 1, C) and
-        `initial_states` (B, H, P, N) or None. Returns (y (B, T, d_inner), (conv history,
+        `initial_states` (B, H, P, N) or None. Returns (y (B, T, d_ssm), (conv history,
         SSM state) after the last token, in the histories' and float32), None for the
         latter unless `caches`."""
         x, b, c = self._ssd_inputs(self._conv(xbc, history, seq_idx))
@@ -235,7 +276,7 @@ class Mamba2(nnx.Module):
             initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True,
             dt_limit=self.dt_limit, return_final_states=True, implementation=self.implementation,
         )
-        y = y.reshape(*xbc.shape[:2], self.d_inner)
+        y = y.reshape(*xbc.shape[:2], self.d_ssm)
         if not caches:
             return y, None
         return y, (_conv_history(history, xbc), final.astype(jnp.float32))
@@ -260,14 +301,14 @@ class Mamba2(nnx.Module):
 
     def _step(self, z, xbc, dt, conv_state, ssm_state):
         """One token (B, 1, ...) through the conv state and `selective_state_update`. Returns
-        (y (B, 1, d_inner), (conv state, SSM state) after it)."""
+        (y (B, 1, d_ssm), (conv state, SSM state) after it)."""
         x, b, c = self._ssd_inputs(self._conv(xbc, conv_state)[:, 0])
         y, ssm_state = pallas_kernels.selective_state_update(
             ssm_state, x, dt[:, 0], -jnp.exp(self.A_log[...]), b, c, D=self._d(),
             z=None if self.rmsnorm else z[:, 0].reshape(x.shape), dt_bias=self.dt_bias[...],
             dt_softplus=True, dt_limit=self.dt_limit, implementation=self.implementation,
         )
-        return y.reshape(xbc.shape[0], 1, self.d_inner), (_conv_history(conv_state, xbc),
+        return y.reshape(xbc.shape[0], 1, self.d_ssm), (_conv_history(conv_state, xbc),
                                                           ssm_state)
 
 
@@ -308,36 +349,60 @@ def _conv_history(history, xbc):
 # naming the argument, before any array is built.
 
 
-def mixer_shape(d_model, d_state, d_conv, expand, headdim, ngroups, chunk_size):
-    """(d_inner, heads) of a Mamba2 mixer, after checking its sizes: each a positive int,
-    d_inner = expand * d_model divisible by headdim, heads by ngroups, chunk_size a power of
-    two. Shared with `HybridLMConfig`."""
+def mixer_shape(d_model: int, d_state: int, d_conv: int, expand: int, headdim: int,
+                ngroups: int, chunk_size: int, d_ssm: int | None = None) -> tuple[int, int, int]:
+    """(d_inner, d_ssm, heads) of a Mamba2 mixer, after checking its sizes: each a positive int,
+    d_inner = expand * d_model, d_ssm (default d_inner) at most d_inner and divisible by
+    headdim, heads = d_ssm / headdim by ngroups, chunk_size a power of two. Shared with
+    `HybridLMConfig`."""
     check_sizes(d_model=d_model, d_state=d_state, d_conv=d_conv, expand=expand,
                 headdim=headdim, ngroups=ngroups, chunk_size=chunk_size)
     d_inner = expand * d_model
-    if d_inner % headdim:
-        raise ValueError(f"d_inner = expand * d_model ({d_inner}) must be divisible by "
-                         f"headdim ({headdim})")
-    nheads = d_inner // headdim
+    if d_ssm is None:
+        if d_inner % headdim:
+            raise ValueError(f"d_inner = expand * d_model ({d_inner}) must be divisible by "
+                             f"headdim ({headdim})")
+        d_ssm = d_inner
+    else:
+        check_sizes(d_ssm=d_ssm)
+        if d_ssm > d_inner:
+            raise ValueError(f"d_ssm ({d_ssm}) must be at most d_inner = expand * d_model "
+                             f"({d_inner})")
+        if d_ssm % headdim:
+            raise ValueError(f"d_ssm ({d_ssm}) must be divisible by headdim ({headdim})")
+    nheads = d_ssm // headdim
     if nheads % ngroups:
         raise ValueError(f"heads ({nheads}) must be divisible by ngroups ({ngroups})")
     if chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size}")
-    return d_inner, nheads
+    return d_inner, d_ssm, nheads
 
 
-def _check_initialisation(A_init_range, dt_min, dt_max, dt_init_floor):
-    """A_init_range a pair 0 < low <= high, 0 < dt_min <= dt_max and dt_init_floor >= 0, all
-    finite numbers."""
-    def finite(*values):
-        return all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-                   for v in values)
+def _finite(*values):
+    return all(isinstance(v, numbers.Real) and not isinstance(v, bool | np.bool_)
+               and math.isfinite(v) for v in values)
 
+
+def _check_initialisation(A_init_range, dt_min, dt_max, dt_init_floor, conv_init):
+    """A_init_range a pair 0 < low <= high, 0 < dt_min <= dt_max, dt_init_floor >= 0 and
+    conv_init None or > 0, all finite numbers."""
     if not (isinstance(A_init_range, tuple | list) and len(A_init_range) == 2
-            and finite(*A_init_range) and 0 < A_init_range[0] <= A_init_range[1]):
+            and _finite(*A_init_range) and 0 < A_init_range[0] <= A_init_range[1]):
         raise ValueError(f"A_init_range must be a pair of finite numbers 0 < low <= high, got "
                          f"{A_init_range!r}")
-    if not (finite(dt_min, dt_max) and 0 < dt_min <= dt_max):
+    if not (_finite(dt_min, dt_max) and 0 < dt_min <= dt_max):
         raise ValueError(f"need finite 0 < dt_min <= dt_max, got {dt_min!r}, {dt_max!r}")
-    if not (finite(dt_init_floor) and dt_init_floor >= 0):
+    if not (_finite(dt_init_floor) and dt_init_floor >= 0):
         raise ValueError(f"dt_init_floor must be a finite number >= 0, got {dt_init_floor!r}")
+    if conv_init is not None and not (_finite(conv_init) and conv_init > 0):
+        raise ValueError(f"conv_init must be None or a finite number > 0, got {conv_init!r}")
+
+
+def _check_layer_idx(layer_idx):
+    """layer_idx must be None or an int >= 0."""
+    if layer_idx is None:
+        return
+    if not isinstance(layer_idx, numbers.Integral) or isinstance(layer_idx, bool | np.bool_):
+        raise TypeError(f"layer_idx must be an int or None, got {layer_idx!r}")
+    if layer_idx < 0:
+        raise ValueError(f"layer_idx must be >= 0, got {layer_idx}")

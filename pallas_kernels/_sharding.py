@@ -31,6 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
+from jax.typing import ArrayLike
 
 ORDERS = ("contiguous", "zigzag")
 
@@ -151,7 +152,7 @@ def _reorder(x, order, axis):
     return jnp.concatenate([chunks[c] for c in order], axis=axis)
 
 
-def zigzag(x, parts, axis=1):
+def zigzag(x: ArrayLike, parts: int, axis: int = 1) -> jax.Array:
     """`x` with its `axis` (a sequence, length divisible by 2 * parts) in zig-zag order for
     `parts` devices: cut into 2 * parts chunks, device i's shard of the result holds chunks i
     and 2 * parts - 1 - i. Apply it once to the tokens, positions and segment ids of a batch and
@@ -159,7 +160,7 @@ def zigzag(x, parts, axis=1):
     return _reorder(x, chunk_order(parts), axis)
 
 
-def unzigzag(x, parts, axis=1):
+def unzigzag(x: ArrayLike, parts: int, axis: int = 1) -> jax.Array:
     """The inverse of `zigzag`: back to the natural order."""
     order = chunk_order(parts)
     return _reorder(x, sorted(range(len(order)), key=order.__getitem__), axis)

@@ -236,7 +236,8 @@ plt.show()
 #
 # `pallas_kernels.mamba_chunk_scan_combined` has mamba_ssm's signature:
 # `(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-# seq_idx=None, dt_softplus=False, dt_limit=(0, inf), return_final_states=False)`.
+# seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0, inf), return_final_states=False,
+# return_varlen_states=False)`.
 # Here it runs the kernels (`implementation="pallas"`); we check it against the token-by-token
 # recurrence.
 

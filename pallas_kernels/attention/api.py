@@ -15,7 +15,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
 
 from pallas_kernels import _derivatives, _device, _dispatch, _sharding
 from pallas_kernels.attention import (
@@ -33,28 +35,28 @@ MAX_HEAD_DIM = 256
 
 
 def dot_product_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
     *,
-    scale=None,
-    is_causal=False,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    local_window_size=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    logits_soft_cap=None,
-    implementation=None,
-    return_residual=False,
-    block_sizes=None,
-    interpret=None,
-    sharding=None,
-    context_parallelism="all_gather",
-    sequence_order="contiguous",
-):
+    scale: float | jax.Array | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    logits_soft_cap: float | None = None,
+    implementation: str | None = None,
+    return_residual: bool = False,
+    block_sizes: tuning.AttentionBlocks | None = None,
+    interpret: bool | None = None,
+    sharding: NamedSharding | P | None = None,
+    context_parallelism: str = "all_gather",
+    sequence_order: str = "contiguous",
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, softmax(q k^T * scale) v, as `jax.nn.dot_product_attention`.
 
     Takes everything `jax.nn.dot_product_attention` takes, by position and by name, and more.

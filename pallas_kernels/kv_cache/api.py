@@ -11,6 +11,7 @@ cast or copied.
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from pallas_kernels import _device, _dispatch
 from pallas_kernels.attention import checks as attention_checks
@@ -19,10 +20,22 @@ from pallas_kernels.kv_cache import checks, forward, quantization, reference, tu
 
 
 def attention_with_kv_cache(
-    q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_scale=None, v_scale=None,
-    scale=None, local_window_size=None, logits_soft_cap=None, num_splits=None,
-    return_residual=False, implementation=None, interpret=None,
-):
+    q: ArrayLike,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cache_seqlens: ArrayLike,
+    *,
+    block_table: ArrayLike | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    scale: float | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    num_splits: int | None = None,
+    return_residual: bool = False,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of a few new tokens over a KV cache, causal to each row's end.
 
     Args:
@@ -120,8 +133,17 @@ def _unpack(rows, shape):
     return rows.transpose(0, 3, 1, 2, 4).reshape(batch, t, n, x)
 
 
-def update_kv_cache(k_cache, v_cache, k, v, cache_seqlens, *, block_table=None, k_scale=None,
-                    v_scale=None):
+def update_kv_cache(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k: ArrayLike,
+    v: ArrayLike,
+    cache_seqlens: ArrayLike,
+    *,
+    block_table: ArrayLike | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     """Writes T new tokens' keys and values into a cache, quantising them to its dtype.
 
     Args:

@@ -22,7 +22,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
 
 from pallas_kernels import _derivatives, _device, _dispatch, _sharding
 from pallas_kernels.mamba2 import (
@@ -40,27 +42,27 @@ from pallas_kernels.mamba2 import (
 
 
 def mamba_chunk_scan_combined(
-    x,
-    dt,
-    A,
-    B,
-    C,
-    chunk_size,
-    D=None,
-    z=None,
-    dt_bias=None,
-    initial_states=None,
-    seq_idx=None,
-    dt_softplus=False,
-    dt_limit=semantics.DEFAULT_DT_LIMIT,
-    return_final_states=False,
-    cu_seqlens=None,
-    return_varlen_states=False,
+    x: ArrayLike,
+    dt: ArrayLike,
+    A: ArrayLike,
+    B: ArrayLike,
+    C: ArrayLike,
+    chunk_size: int,
+    D: ArrayLike | None = None,
+    z: ArrayLike | None = None,
+    dt_bias: ArrayLike | None = None,
+    initial_states: ArrayLike | None = None,
+    seq_idx: ArrayLike | None = None,
+    cu_seqlens: ArrayLike | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = semantics.DEFAULT_DT_LIMIT,
+    return_final_states: bool = False,
+    return_varlen_states: bool = False,
     *,
-    implementation=None,
-    interpret=None,
-    sharding=None,
-):
+    implementation: str | None = None,
+    interpret: bool | None = None,
+    sharding: NamedSharding | P | None = None,
+) -> jax.Array | tuple[jax.Array, ...]:
     """Mamba2's chunked selective scan (SSD), differentiable in every array argument.
 
     Token by token, for batch row b, head h and its group g = h // (H // G):
@@ -70,6 +72,9 @@ def mamba_chunk_scan_combined(
     silu(z_t). The state resets to zero wherever `seq_idx` changes from one token to the next;
     `initial_states` feed the first sequence of each row. `semantics` defines each of these.
 
+    The arguments up to `return_varlen_states` are mamba_ssm's, in its order (a positional
+    call means the same); the rest are keyword-only.
+
     Args:
       x: (b, T, H, P); dt: (b, T, H); A: (H,), <= 0 (a ValueError where its value is known;
         under jit a positive entry acts as 0); B, C: (b, T, G, N) with H % G == 0.
@@ -77,15 +82,15 @@ def mamba_chunk_scan_combined(
         the kernels use min(chunk_size, the tuned tile).
       D: (H,) or (H, P); z: (b, T, H, P); dt_bias: (H,); initial_states: (b, H, P, N);
       seq_idx: (b, T) integers of any width; a new sequence starts wherever the id changes.
-      dt_softplus: a bool. dt_limit: (low, high) with 0 <= low <= high, low finite.
-      return_final_states: also return the state after the last token, (b, H, P, N) float32
-        (float64 for float64 inputs under x64, on both paths).
       cu_seqlens: (num_seqs + 1,) integers (mamba_ssm's packed prefill): x holds the sequences
         packed in one row, (1, T_total, ...), sequence i being tokens cu_seqlens[i] to
         cu_seqlens[i + 1] - 1; cu_seqlens rises from 0 to T_total (checked where its value is
         known). Without seq_idx it defines the sequences (seq_idx[t] = the sequence holding
         token t, which mamba_ssm leaves to the caller); with seq_idx, both must mark the same
         sequences (checked where both values are known). Empty sequences are allowed.
+      dt_softplus: a bool. dt_limit: (low, high) with 0 <= low <= high, low finite.
+      return_final_states: also return the state after the last token, (b, H, P, N) float32
+        (float64 for float64 inputs under x64, on both paths).
       return_varlen_states: also return each sequence's final state, (num_seqs, H, P, N)
         float32 (float64 as above): what running the sequence alone with return_final_states
         gives, from `initial_states` for the sequence holding token 0 (the one they feed in y)

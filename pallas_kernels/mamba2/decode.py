@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.typing import ArrayLike
 
 from pallas_kernels import _device, _dispatch, _operands, _sharding
 from pallas_kernels._operands import Operands
@@ -26,10 +27,22 @@ from pallas_kernels.mamba2 import checks, reference, semantics
 
 
 def selective_state_update(
-    state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-    dt_limit=semantics.DEFAULT_DT_LIMIT, *, state_batch_indices=None, implementation=None,
-    interpret=None,
-):
+    state: ArrayLike,
+    x: ArrayLike,
+    dt: ArrayLike,
+    A: ArrayLike,
+    B: ArrayLike,
+    C: ArrayLike,
+    D: ArrayLike | None = None,
+    z: ArrayLike | None = None,
+    dt_bias: ArrayLike | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = semantics.DEFAULT_DT_LIMIT,
+    *,
+    state_batch_indices: ArrayLike | None = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """One decode step (mamba_ssm's `selective_state_update`), functional and differentiable.
 
     h' = exp(dt' A) h + dt' x B^T; y = h' C + D x; y *= silu(z), with dt' = clamp(softplus?(dt

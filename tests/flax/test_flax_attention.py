@@ -1,5 +1,6 @@
 """Flax attention layers on the kernels: parity with flax's own attention and decode == forward."""
 
+import functools
 import warnings
 
 import jax
@@ -82,9 +83,8 @@ def test_flash_attention_fn_in_linen_attention(monkeypatch):
     causal = linen.make_causal_mask(jnp.ones((2, 9)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(2):
-            _close(ours.apply(params, x, mask=causal), stock.apply(params, x, mask=causal))
-    assert sum("dense mask" in str(w.message) for w in caught) == 1  # once, with the reason
+        _close(ours.apply(params, x, mask=causal), stock.apply(params, x, mask=causal))
+    assert not _fallback_warnings(caught)  # the mask runs in the kernels
 
 
 def test_decode_past_the_cache_is_a_value_error_eagerly():
@@ -163,6 +163,14 @@ def test_decode_takes_self_attention_only():
     (dict(use_bias="no"), TypeError, "use_bias must be a bool"),
     (dict(dtype=jnp.int32), TypeError, "dtype must be a floating dtype"),
     (dict(implementation="cuda"), ValueError, "implementation must be one of"),
+    (dict(in_kv_features=0), ValueError, "in_kv_features must be a positive int, got 0"),
+    (dict(scale=0.0), ValueError, "scale must be a finite number > 0"),
+    (dict(scale="1"), TypeError, "scale must be a number"),
+    (dict(precision="fast"), ValueError, "precision must be None, a jax.lax.Precision"),
+    (dict(kernel_init=0.02), TypeError, "kernel_init must be callable"),
+    (dict(out_bias_init=1), TypeError, "out_bias_init must be callable"),
+    (dict(bias_metadata=["x"]), TypeError, "bias_metadata must be a mapping"),
+    (dict(decode=None), TypeError, "decode must be a bool"),
 ])
 def test_bad_configuration(kwargs, error, needle):
     kwargs = dict(num_heads=4, in_features=32) | kwargs
@@ -170,7 +178,110 @@ def test_bad_configuration(kwargs, error, needle):
         FlashMultiHeadAttention(**kwargs, rngs=nnx.Rngs(0))
 
 
-def test_decode_needs_a_cache():
+def test_decode_needs_a_cache_and_self_attention():
     layer = FlashMultiHeadAttention(4, 32, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="init_cache"):
         layer(jnp.ones((1, 1, 32)), decode=True)
+    cross = FlashMultiHeadAttention(4, 32, in_kv_features=16, is_causal=True, rngs=nnx.Rngs(0))
+    cross.init_cache((1, 4, 32))
+    with pytest.raises(ValueError, match=r"in_kv_features \(16\) == in_features \(32\)"):
+        cross(jnp.ones((1, 1, 32)), decode=True)
+
+
+def _normal(seed, shape):
+    """Standard normal float32 inputs from numpy (no XLA compile per shape)."""
+    return np.random.default_rng(seed).standard_normal(shape, np.float32)
+
+
+def _fallback_warnings(caught):
+    return [str(w.message) for w in caught if "flash_attention_fn" in str(w.message)]
+
+
+def test_flash_attention_fn_runs_nnx_decode_on_the_kernels(monkeypatch):
+    """nnx's decode mask (the filled part of the cache) runs in the kernels, eager or under jit,
+    with no fallback."""
+    monkeypatch.setattr(flax_attention, "_WARNED", set())
+    x = _normal(7, (2, 5, 16))
+    make = lambda fn: nnx.MultiHeadAttention(  # noqa: E731
+        4, 16, num_kv_heads=2, attention_fn=fn, decode=True, rngs=nnx.Rngs(0))
+    stock, ours = make(nnx.dot_product_attention), make(flash_attention_fn)
+    for layer in (stock, ours):
+        layer.init_cache((2, 8, 16))
+    step = nnx.jit(lambda layer, token: layer(token))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _close(ours(x[:, :1]), stock(x[:, :1]))
+        for t in range(1, 5):
+            _close(step(ours, x[:, t:t + 1]), step(stock, x[:, t:t + 1]))
+    assert not _fallback_warnings(caught)
+
+
+def test_flash_attention_fn_runs_masks_and_biases_in_the_kernels(monkeypatch):
+    """Any mask and bias under jit, with no fallback; only dropout falls back."""
+    monkeypatch.setattr(flax_attention, "_WARNED", set())
+    q, k, v = _normal(8, (3, 2, 6, 4, 8))
+    attend = jax.jit(flash_attention_fn)
+    mask = np.arange(6) < np.array([3, 6])[:, None, None, None]  # (2, 1, 1, 6)
+    mask[0, ..., 1] = False  # a hole
+    bias = _normal(9, (1, 4, 6, 6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _close(attend(q, k, v, bias, mask),
+               nnx.dot_product_attention(q, k, v, bias=bias, mask=mask))
+        assert not _fallback_warnings(caught)
+        flash_attention_fn(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(0))
+    assert any("dropout" in m for m in _fallback_warnings(caught))
+
+
+def test_flash_attention_fn_takes_rope_and_input_positions():
+    q, k, v = _normal(9, (3, 2, 6, 4, 8))
+    positions = np.array([[3, 4, 5, 6, 7, 8], [0, 1, 2, 0, 1, 2]])
+    rope = nnx.RoPE(theta=500.0)
+    with_rope = functools.partial(flash_attention_fn, rope=rope)
+
+    @jax.jit
+    def pairs(q, k, v, positions):  # (ours, expected): at the default positions, at positions
+        rotated = (flax_attention.rotary_embedding(x, positions, 500.0) for x in (q, k))
+        return ((with_rope(q, k, v, is_causal=True),
+                 nnx.dot_product_attention_with_rope(q, k, v, rope=rope, is_causal=True)),
+                (with_rope(q, k, v, input_positions=positions), flash_attention_fn(*rotated, v)))
+
+    for ours, expected in pairs(q, k, v, positions):
+        _close(ours, expected)
+    layer = nnx.MultiHeadAttention(4, 16, attention_fn=with_rope, decode=False, rngs=nnx.Rngs(0))
+    x = jax.ShapeDtypeStruct((2, 6, 16), jnp.float32)
+    assert jax.eval_shape(lambda x: layer(x, input_positions=positions), x).shape == x.shape
+    with pytest.raises(ValueError, match="input_positions"):
+        flash_attention_fn(q, k, v, input_positions=positions)
+
+
+def test_layer_takes_nnx_constructor_arguments():
+    """Cross-attention with nnx's projections, inits and biases; `scale` s equals nnx's
+    1/sqrt(H) with the query projection multiplied by s sqrt(H)."""
+    xq, xkv = _normal(11, (2, 7, 12)), _normal(12, (2, 5, 20))
+    kw = dict(bias_init=nnx.initializers.normal(0.1), out_kernel_init=nnx.initializers.ones,
+              rngs=nnx.Rngs(0))
+    stock = nnx.MultiHeadAttention(4, 12, 32, 24, 2, 20, decode=False, **kw)
+    ours = FlashMultiHeadAttention(4, 12, 32, 24, 2, 20, scale=0.5, precision="highest",
+                                   kernel_metadata={"note": "q"}, implementation="xla", **kw)
+    assert ours.query.precision == "highest"
+    assert ours.query.kernel.get_metadata()["note"] == "q"
+    assert ours.out.kernel.get_metadata()["out_sharding"] == ("heads", "head_dim", "embed")
+    _close(ours.out.kernel[...], 1.0)
+    params = nnx.state(ours, nnx.Param)  # the same tree: take nnx's values
+    nnx.replace_by_pure_dict(params, nnx.to_pure_dict(nnx.state(stock, nnx.Param)))
+    nnx.update(ours, params)
+    for name in ("kernel", "bias"):
+        getattr(stock.query, name)[...] *= 0.5 * 8**0.5
+    _close(*nnx.jit(lambda a, b: (a(xq, xkv), b(xq, xkv)))(ours, stock), 1e-5)
+
+
+def test_decode_is_settable_with_nnx_view():
+    x = _normal(13, (2, 3, 32))
+    layer = _layer("xla", is_causal=True)
+    assert nnx.view(layer, decode=True).decode and not layer.decode
+    decoder = nnx.view(layer, decode=True, batch_size=2, max_length=16)
+    _close(decoder(x), layer(x))
+    assert decoder.cache.lengths[...].tolist() == [3, 3]
+    with pytest.raises(ValueError, match="batch_size and max_length"):
+        nnx.view(layer, batch_size=2)

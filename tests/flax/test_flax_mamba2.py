@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from flax_layers import Mamba2
+from pallas_kernels.mamba2 import reference
 
 SMALL = dict(d_state=16, headdim=8, chunk_size=16)
 
@@ -58,18 +59,20 @@ def test_decode_continues_the_forward_exactly(options):
            full, 1e-4)  # token by token from an empty cache
 
 
-def test_parameter_count_matches_mamba_ssm_formula():
+@pytest.mark.parametrize("d_ssm", [None, 64])
+def test_parameter_count_matches_mamba_ssm_formula(d_ssm):
     d_model, d_state, d_conv, expand, headdim, ngroups = 64, 32, 4, 2, 16, 2
     layer = Mamba2(d_model, d_state=d_state, d_conv=d_conv, expand=expand, headdim=headdim,
-                   ngroups=ngroups, rngs=nnx.Rngs(0))
+                   d_ssm=d_ssm, ngroups=ngroups, rngs=nnx.Rngs(0))
     d_inner = expand * d_model
-    nheads = d_inner // headdim
-    conv_dim = d_inner + 2 * ngroups * d_state
+    d_ssm = d_inner if d_ssm is None else d_ssm
+    nheads = d_ssm // headdim
+    conv_dim = d_ssm + 2 * ngroups * d_state
     expected = (
         d_model * (2 * d_inner + 2 * ngroups * d_state + nheads)  # in_proj (no bias)
         + conv_dim * d_conv + conv_dim  # depthwise conv weight and bias
         + 3 * nheads  # dt_bias, A_log, D
-        + d_inner  # norm weight
+        + d_ssm  # norm weight
         + d_inner * d_model  # out_proj
     )
     count = sum(x.size for x in jax.tree.leaves(nnx.state(layer, nnx.Param)))
@@ -83,20 +86,62 @@ def test_initialisation_follows_mamba_ssm():
     dt = jax.nn.softplus(layer.dt_bias[...])
     assert jnp.all((dt >= 1e-3 * 0.999) & (dt <= 0.1 * 1.001))
     assert jnp.all(layer.D[...] == 1)
+    assert jnp.max(jnp.abs(layer.conv_weight[...])) > 0.3  # PyTorch's default: +-1/sqrt(4)
+    narrow = Mamba2(64, conv_init=0.01, layer_idx=3, rngs=nnx.Rngs(0), **SMALL)
+    assert jnp.max(jnp.abs(narrow.conv_weight[...])) <= 0.01
+    assert narrow.layer_idx == 3
 
 
-def test_decode_checks_the_cache():
-    layer = Mamba2(16, implementation="xla", rngs=nnx.Rngs(0), **SMALL)
-    u = jnp.ones((1, 1, 16))
-    with pytest.raises(ValueError, match="init_cache"):
-        layer(u, decode=True)
-    layer.init_cache(2)
-    with pytest.raises(ValueError, match="batch 1 does not match the Mamba2 cache's batch 2"):
-        layer(u, decode=True)  # used to broadcast silently
-    with pytest.raises(ValueError, match="batch 3 does not match the Mamba2 cache's batch 2"):
-        layer(jnp.ones((3, 1, 16)), decode=True)
-    with pytest.raises(ValueError, match="seq_idx"):
-        layer(jnp.ones((2, 1, 16)), seq_idx=jnp.zeros((2, 1), jnp.int32), decode=True)
+def _mamba_ssm_forward(layer, u):
+    """mamba_ssm's `Mamba2.forward` (its path without the fused kernels, rmsnorm and
+    norm_before_gate=False), transcribed in jnp on the layer's parameters; the SSD token by
+    token."""
+    b, t, _ = u.shape
+    g, n, p = layer.ngroups, layer.d_state, layer.headdim
+    zxbcdt = layer.in_proj(u)
+    d_mlp = (zxbcdt.shape[-1] - 2 * layer.d_ssm - 2 * g * n - layer.nheads) // 2
+    sizes = [d_mlp, d_mlp, layer.d_ssm, layer.d_ssm + 2 * g * n]
+    z0, x0, z, xbc, dt = jnp.split(zxbcdt, np.cumsum(sizes), axis=-1)
+    width = layer.d_conv  # Conv1d(groups=channels, padding=width - 1)[:, :t]
+    padded = jnp.pad(xbc, ((0, 0), (width - 1, 0), (0, 0)))
+    xbc = jax.nn.silu(sum(padded[:, k:k + t] * layer.conv_weight[k] for k in range(width))
+                      + layer.conv_bias[...])
+    x, B, C = jnp.split(xbc, [layer.d_ssm, layer.d_ssm + g * n], axis=-1)
+    y = reference.ssd_recurrence(
+        x.reshape(b, t, -1, p), dt, -jnp.exp(layer.A_log[...]), B.reshape(b, t, g, n),
+        C.reshape(b, t, g, n), layer.chunk_size, D=layer.D[...], dt_bias=layer.dt_bias[...],
+        dt_softplus=True).reshape(b, t, layer.d_ssm)
+    y = (y * jax.nn.silu(z)).reshape(b, t, g, -1)  # RMSNormGated(group_size=d_ssm // ngroups)
+    y = (y * jax.lax.rsqrt(jnp.mean(y**2, -1, keepdims=True) + 1e-5)).reshape(b, t, -1)
+    y = jnp.concatenate([jax.nn.silu(z0) * x0, y * layer.norm_weight[...]], axis=-1)
+    return layer.out_proj(y)
+
+
+def test_forward_matches_mamba_ssm_transcription():
+    u = jax.random.normal(jax.random.key(2), (2, 21, 16))
+    layer = Mamba2(16, d_ssm=16, ngroups=2, implementation="xla", rngs=nnx.Rngs(2), **SMALL)
+    ours, theirs = nnx.jit(lambda layer: (layer(u), _mamba_ssm_forward(layer, u)))(layer)
+    _close(ours, theirs, 1e-4)
+
+
+def test_decode_is_settable_with_nnx_view():
+    u = jax.random.normal(jax.random.key(3), (2, 3, 16))
+    layer = Mamba2(16, d_ssm=16, implementation="xla", rngs=nnx.Rngs(3), **SMALL)
+    assert nnx.view(layer, decode=True).decode and not layer.decode
+
+    @nnx.jit
+    def decode_and_forward(layer):  # from empty caches, a prefill then a step (gated MLP too)
+        decoder = nnx.view(layer, decode=True, batch_size=2)
+        return jnp.concatenate([decoder(u[:, :2]), decoder(u[:, 2:])], axis=1), layer(u)
+
+    _close(*decode_and_forward(layer), 1e-4)  # the forward's outputs
+
+
+def test_numpy_sizes_are_accepted_at_construction_and_call():
+    layer = Mamba2(np.int64(16), headdim=np.int32(8), d_state=16, chunk_size=np.int64(16),
+                   implementation="xla", rngs=nnx.Rngs(0))
+    u = jax.ShapeDtypeStruct((1, 4, 16), jnp.float32)
+    assert jax.eval_shape(layer, u).shape == u.shape  # the kernel's checks run when traced
 
 
 @pytest.mark.parametrize("kwargs, error, needle", [
@@ -120,6 +165,15 @@ def test_decode_checks_the_cache():
     (dict(d_model=16, headdim=8, bias=None), TypeError, "bias must be a bool"),
     (dict(d_model=16, headdim=8, param_dtype=jnp.int8), TypeError, "param_dtype"),
     (dict(d_model=16, headdim=8, implementation="triton"), ValueError, "implementation"),
+    (dict(d_model=16, headdim=8, d_ssm=40), ValueError,
+     r"d_ssm \(40\) must be at most d_inner = expand \* d_model \(32\)"),
+    (dict(d_model=16, headdim=8, d_ssm=12), ValueError,
+     r"d_ssm \(12\) must be divisible by headdim \(8\)"),
+    (dict(d_model=16, headdim=8, d_ssm=0), ValueError, "d_ssm must be a positive int"),
+    (dict(d_model=16, headdim=8, conv_init=0.0), ValueError, "conv_init"),
+    (dict(d_model=16, headdim=8, layer_idx=-1), ValueError, "layer_idx must be >= 0"),
+    (dict(d_model=16, headdim=8, layer_idx="0"), TypeError, "layer_idx must be an int"),
+    (dict(d_model=16, headdim=8, decode=1), TypeError, "decode must be a bool"),
 ])
 def test_bad_configuration(kwargs, error, needle):
     with pytest.raises(error, match=needle):

@@ -3,6 +3,7 @@ donation) and packed prefill (cu_seqlens, the sequences' final states), on both
 implementations (Pallas in interpret mode on CPU), and their lowering for GPUs."""
 
 import functools
+import inspect
 import re
 
 import jax
@@ -233,6 +234,30 @@ def test_varlen_state_gradients_match_the_reference():
                         for implementation in ("pallas", "xla"))
     for name, g, r in zip(names, grads, grads_ref, strict=True):
         assert rel_error(g, r) < 5e-5, name
+
+
+# mamba_ssm's `mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, ...)`, in its order.
+MAMBA_SSM_ORDER = ("x", "dt", "A", "B", "C", "chunk_size", "D", "z", "dt_bias",
+                   "initial_states", "seq_idx", "cu_seqlens", "dt_softplus", "dt_limit",
+                   "return_final_states", "return_varlen_states")
+
+
+def test_positional_call_means_what_mamba_ssm_means():
+    parameters = inspect.signature(pallas_kernels.mamba_chunk_scan_combined).parameters
+    assert tuple(parameters)[:len(MAMBA_SSM_ORDER)] == MAMBA_SSM_ORDER
+    assert all(p.kind is p.KEYWORD_ONLY for p in tuple(parameters.values())[len(MAMBA_SSM_ORDER):])
+    _, lengths, chunk_size = PACKED[0]
+    args, bounds = _packed(5, lengths)  # the arrays of the tests above
+    seq_idx = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+    values = dict(args, seq_idx=seq_idx, cu_seqlens=bounds, chunk_size=chunk_size,
+                  dt_softplus=True, dt_limit=(0.0, 2.0), return_final_states=True,
+                  return_varlen_states=True)
+    positional = [values[name] for name in MAMBA_SSM_ORDER]
+    ssd = functools.partial(pallas_kernels.mamba_chunk_scan_combined, implementation="xla")
+    # The same computation (traced, not compiled: the values are the reference's, tested above).
+    by_position = jax.make_jaxpr(lambda: ssd(*positional))()
+    assert str(by_position) == str(jax.make_jaxpr(lambda: ssd(**values))())
+    assert len(by_position.out_avals) == 3  # y, final states, varlen states
 
 
 def _bad_varlen_calls():
