@@ -4,11 +4,14 @@ import dataclasses
 import functools
 import math
 import numbers
+from collections.abc import Sequence
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 from flax_layers._checks import check_dtypes, check_implementation, check_sizes
 from flax_layers._sharding import (
@@ -60,7 +63,7 @@ class HybridLMConfig:
     d_conv: int = 4
     chunk_size: int = 64
     rope_theta: float | None = 10000.0
-    dtype: object = None
+    dtype: DTypeLike | None = None
     implementation: str | None = None
     context_parallelism: str = "all_gather"  # attention's, where the sequence is sharded
     sequence_order: str = "contiguous"  # or "zigzag": the tokens' order on the devices
@@ -82,7 +85,7 @@ class HybridLMConfig:
         arguments.check_sequence_order(self.sequence_order)
 
     @classmethod
-    def preset(cls, name, **overrides):
+    def preset(cls, name: str, **overrides: Any) -> Self:
         """"tiny" (trains on a CPU in minutes), "small", or "zamba2-1.2b" (Zamba2-1.2B's sizes:
         d_model 2048, Mamba2 blocks with state 64, a shared 32-head block every 6). Zamba2-1.2B
         has 38 Mamba2 blocks, which a shared block every 6 cannot divide; the preset keeps 36
@@ -125,7 +128,7 @@ class _SharedBlock(nnx.Module):
         self.attention = FlashMultiHeadAttention(
             config.num_heads, 2 * d, config.num_heads * config.attn_head_dim, d,
             num_kv_heads=config.num_kv_heads, is_causal=True, rope_theta=config.rope_theta,
-            dtype=config.dtype, implementation=config.implementation,
+            use_bias=False, dtype=config.dtype, implementation=config.implementation,
             context_parallelism=config.context_parallelism,
             sequence_order=config.sequence_order, rngs=rngs,
         )
@@ -139,7 +142,8 @@ class _SharedBlock(nnx.Module):
     def __call__(self, h, embeddings, segment_ids, cache, lengths=None, fresh=False):
         x = self.attn_norm(jnp.concatenate([h, embeddings], axis=-1))
         if cache is None:
-            h = h + self.attention(x, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+            h = h + self.attention(x, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                                   decode=False)
         else:
             out, cache = self.attention.attend_cached(x, cache, new_lengths=lengths, fresh=fresh)
             h = h + out
@@ -166,7 +170,7 @@ class HybridLM(nnx.Module):
     `generate` sizes its caches so that this never happens.
     """
 
-    def __init__(self, config, *, rngs):
+    def __init__(self, config: HybridLMConfig, *, rngs: nnx.Rngs):
         if not isinstance(config, HybridLMConfig):
             raise TypeError(f"config must be a HybridLMConfig, got {type(config).__name__}")
         self.config = config
@@ -180,7 +184,8 @@ class HybridLM(nnx.Module):
         self.final_norm = _rms_norm(config.d_model, config, rngs)
         self.kv_caches = nnx.data(None)
 
-    def init_cache(self, batch_size, max_length, *, dtype=None, kv_dtype=None, page_size=None):
+    def init_cache(self, batch_size: int, max_length: int, *, dtype: DTypeLike | None = None,
+                   kv_dtype: DTypeLike | None = None, page_size: int | None = None) -> None:
         """Empty decode caches for `batch_size` rows of up to `max_length` tokens: per Mamba2
         block a conv state (in `dtype`, default the model's) and an SSM state (float32); per use
         of the shared block a KV cache of `kv_dtype` (default `dtype`; int8, float8_e4m3fn or
@@ -198,7 +203,8 @@ class HybridLM(nnx.Module):
             for _ in range(uses)
         ])
 
-    def __call__(self, tokens, *, segment_ids=None, decode=False, lengths=None):
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 decode: bool = False, lengths: jax.Array | None = None) -> jax.Array:
         return self._forward(tokens, segment_ids, decode, lengths, fresh=False)
 
     def _forward(self, tokens, segment_ids, decode, lengths, fresh, logits_at=None):
@@ -257,9 +263,20 @@ class HybridLM(nnx.Module):
         for slot in self.kv_caches:
             slot.get().check_fits(batch, new)
 
-    def generate(self, prompt_tokens, max_new_tokens, *, temperature=1.0, top_k=None,
-                 top_p=None, rng, prompt_lengths=None, stop_tokens=None, kv_dtype=None,
-                 page_size=None):
+    def generate(
+        self,
+        prompt_tokens: jax.Array,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        rng: jax.Array,
+        prompt_lengths: jax.Array | None = None,
+        stop_tokens: Sequence[int] | ArrayLike | None = None,
+        kv_dtype: DTypeLike | None = None,
+        page_size: int | None = None,
+    ) -> jax.Array:
         """Samples up to `max_new_tokens` after each row's prompt, in one compiled call: the
         prompts run through the model once (the prefill: FlashAttention and the chunked SSD,
         writing the KV caches, conv and SSM states), then a `lax.while_loop` decodes a token per
@@ -301,20 +318,39 @@ class HybridLM(nnx.Module):
                          max_new_tokens=max_new_tokens, greedy=temperature == 0,
                          top_k=top_k, nucleus=top_p is not None,
                          kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name,
-                         page_size=page_size)
+                         page_size=page_size, prefill_rows=_prefill_rows(batch, t))
+
+
+# A prefill runs its prompts in groups of rows of at most this many tokens, one group after
+# the other: its activations grow with the tokens (at the zamba2-like 1.1B shape, B 64 x 7680
+# prompt tokens at once asked XLA for 322 GiB), the caches only with the rows.
+PREFILL_TOKENS = 32768
+
+
+def _prefill_rows(batch, t):
+    """Rows per prefill group: the largest divisor of `batch` whose rows hold at most
+    PREFILL_TOKENS tokens (at least one row)."""
+    return max((r for r in range(1, batch + 1) if batch % r == 0 and r * t <= PREFILL_TOKENS),
+               default=1)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=(
-    "max_new_tokens", "greedy", "top_k", "nucleus", "kv_dtype", "page_size"))
+    "max_new_tokens", "greedy", "top_k", "nucleus", "kv_dtype", "page_size", "prefill_rows"))
 def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_tokens, *,
-              max_new_tokens, greedy, top_k, nucleus, kv_dtype, page_size):
-    """`HybridLM.generate`: the prefill and its token, then the decode loop (a
-    `lax.while_loop` whose carry holds the caches, so XLA updates them in place), each step
-    a forward of the last token and a sample."""
+              max_new_tokens, greedy, top_k, nucleus, kv_dtype, page_size, prefill_rows):
+    """`HybridLM.generate`: the prefill (in groups of `prefill_rows` rows, `_prefill`) and its
+    token, then the decode loop (a `lax.while_loop` whose carry holds the caches, so XLA
+    updates them in place), each step a forward of the last token and a sample."""
     model = nnx.merge(graphdef, state)
     batch, t = prompt.shape
-    model.init_cache(batch, t + max_new_tokens - 1, kv_dtype=kv_dtype, page_size=page_size)
-    logits = model._forward(prompt, None, True, lengths, fresh=True, logits_at=lengths - 1)
+    cache_options = dict(max_length=t + max_new_tokens - 1, kv_dtype=kv_dtype,
+                         page_size=page_size)
+    model.init_cache(batch, **cache_options)
+    if prefill_rows == batch:
+        logits = model._forward(prompt, None, True, lengths, fresh=True, logits_at=lengths - 1)
+    else:
+        logits, caches = _prefill(graphdef, state, prompt, lengths, prefill_rows, cache_options)
+        nnx.update(model, _merge_groups(nnx.state(model, nnx.Cache), caches))
     step_graph, caches, rest = nnx.split(model, nnx.Cache, ...)
     keys = jax.random.split(rng, max_new_tokens)
 
@@ -350,7 +386,39 @@ def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_to
     return jnp.where(jnp.arange(max_new_tokens) < i, tokens, last[:, None])
 
 
-def sample_token(logits, key, *, top_k=None, top_p=None):
+def _prefill(graphdef, state, prompt, lengths, rows, cache_options):
+    """The prefill of `rows` rows at a time (`lax.map`: one group after the other): the logits
+    at each row's last prompt token (B, 1, V) and the caches, each leaf stacked over the
+    groups (groups, ...) as a group's model holds it."""
+
+    def group(arrays):
+        prompt, lengths = arrays
+        model = nnx.merge(graphdef, state)
+        model.init_cache(rows, **cache_options)
+        logits = model._forward(prompt, None, True, lengths, fresh=True, logits_at=lengths - 1)
+        return logits, nnx.state(model, nnx.Cache)
+
+    groups = prompt.shape[0] // rows
+    logits, caches = jax.lax.map(group, (prompt.reshape(groups, rows, -1),
+                                         lengths.reshape(groups, rows)))
+    return logits.reshape(-1, *logits.shape[2:]), caches
+
+
+def _merge_groups(full, grouped):
+    """The whole batch's caches from `_prefill`'s groups: each leaf's groups laid end to end
+    along its first axis (rows, or pages: each row owns a run of pages in row order), so
+    `full` (the whole batch's empty caches) gives the shapes; the paged caches' block tables
+    stay `full`'s."""
+    def merge(path, whole, groups):
+        if "block_table" in jax.tree_util.keystr(path):
+            return whole
+        return groups.reshape(whole.shape)
+
+    return jax.tree_util.tree_map_with_path(merge, full, grouped)
+
+
+def sample_token(logits: jax.Array, key: jax.Array, *, top_k: int | None = None,
+                 top_p: float | jax.Array | None = None) -> jax.Array:
     """A token per row (B,) int32 from logits (B, V) (already divided by the temperature),
     among the `top_k` most likely (with every token tied with the k-th) and, with `top_p`, the
     smallest set of most likely tokens whose probabilities reach top_p (the most likely always

@@ -260,8 +260,9 @@ def test_decode_needs_a_cache():
 
 def test_every_parameter_has_logical_axis_names():
     model = HybridLM(HybridLMConfig(**SMALL, implementation="xla"), rngs=nnx.Rngs(0))
+    assert model.shared.attention.query.bias is None  # Zamba2's: no biases (nnx's default has)
     attention_with_bias = linen_layers.attention.FlashMultiHeadAttention(
-        2, 16, use_bias=True, rngs=nnx.Rngs(0))
+        2, 16, rngs=nnx.Rngs(0))
     for module in (model, attention_with_bias):
         params = nnx.state(module, nnx.Param)
         specs = nnx.get_partition_spec(params)
@@ -292,6 +293,18 @@ def test_ragged_prompts_generate_what_each_row_generates_alone():
     for row, length in enumerate(lengths):
         alone = _greedy(model, prompt[row:row + 1, :length], 5)
         np.testing.assert_array_equal(together[row], alone[0])
+
+
+def test_a_prefill_in_groups_of_rows_generates_what_one_prefill_does(monkeypatch):
+    """Long prompts prefill a few rows at a time (`hybrid.PREFILL_TOKENS`), and the groups'
+    caches (paged, 8-bit with scales; conv and SSM states) join as one prefill's would."""
+    model = _small_model()
+    prompt = jax.random.randint(jax.random.key(6), (4, 7), 0, 256)
+    options = dict(prompt_lengths=jnp.array([7, 2, 5, 6]), kv_dtype="int8", page_size=16)
+    whole = _greedy(model, prompt, 5, **options)
+    monkeypatch.setattr(hybrid, "PREFILL_TOKENS", 14)  # groups of 2 rows
+    assert hybrid._prefill_rows(4, 7) == 2
+    np.testing.assert_array_equal(_greedy(model, prompt, 5, **options), whole)
 
 
 def test_decode_after_a_ragged_prefill_equals_the_forward():
