@@ -40,12 +40,12 @@ def check_bool(name, value):
 
 
 def check_positive(name, value, *, default):
-    """A finite number > 0 (a Python number or a concrete scalar array) as a float (`default`
+    """A finite number > 0 (a Python number or a concrete one-element array) as a float (`default`
     for None); TypeError for a non-number, a bool or a traced value, ValueError for zero, a
     negative, NaN or an infinity."""
     if value is None:
         return default
-    if hasattr(value, "shape") and hasattr(value, "dtype") and value.shape == ():
+    if hasattr(value, "shape") and hasattr(value, "dtype") and math.prod(value.shape) == 1:
         if not jnp.issubdtype(value.dtype, jnp.number) or jnp.issubdtype(value.dtype,
                                                                           jnp.complexfloating):
             raise TypeError(f"{name} must be a real number, got an array of {value.dtype}")

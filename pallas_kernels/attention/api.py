@@ -65,7 +65,9 @@ def dot_product_attention(
     * a query that sees no key (all masked) gets output 0, lse -inf and zero gradients, where
       jax.nn averages the values of the masked keys;
     * the residual (`return_residual`) is the natural-log log-sum-exp, float32;
-    * `bias` is added after `logits_soft_cap` (jax.nn has no soft cap);
+    * `bias` is added after `logits_soft_cap` (jax.nn has no soft cap); a bias entry of -inf
+      or below about -2.3e38 (`finfo(float32).min`) hides its key as a mask does, so a row
+      biased so at every key gets 0;
     * `scale` must be known when the call is traced (jax.nn also takes a traced one).
 
     Args:
@@ -74,8 +76,9 @@ def dot_product_attention(
       key, value: (B, S, K, H) (the query's batch dims) or (S, K, H), the query's dtype, with
         N % K == 0 (K < N is GQA, K == 1 MQA; key/value heads are never repeated in memory).
       bias: an additive float bias of the logits, broadcastable to (B, N, T, S) (each dim 1 or
-        full), or None. Read tile by tile in the kernels; its gradient is summed over its
-        broadcast dims.
+        full), or None. Read tile by tile in the kernels. Its gradient (computed only where it
+        is used) is the logits' gradient, (B, N, T, S) float32 in memory, summed over the
+        bias's broadcast dims.
       mask: a boolean mask broadcastable to (B, N, T, S) (True: the query sees the key), or
         None. Read tile by tile in the kernels; blocks it masks whole at the start or end of a
         row of blocks are skipped, and blocks it leaves whole run unmasked.
@@ -131,14 +134,22 @@ def dot_product_attention(
                       query_seq_lengths=query_seq_lengths,
                       key_value_seq_lengths=key_value_seq_lengths,
                       local_window_size=local_window_size, others=dict(
-                          q_segment_ids=q_segment_ids, logits_soft_cap=logits_soft_cap,
+                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                          logits_soft_cap=logits_soft_cap,
                           return_residual=return_residual or None, block_sizes=block_sizes,
-                          interpret=interpret, sharding=sharding))
-    if len(lead) > 1 and sharding is not None:
-        raise ValueError("sharding needs query rank 4 (B, T, N, H), got several batch dims "
-                         f"{lead}")
+                          interpret=interpret, sharding=sharding,
+                          context_parallelism=None if context_parallelism == "all_gather"
+                          else context_parallelism,
+                          sequence_order=None if sequence_order == "contiguous"
+                          else sequence_order))
+    if len(lead) > 1:  # merged into one batch dim below, which a mesh's layout cannot follow
+        own = getattr(jax.typeof(query), "sharding", None)
+        if sharding is not None or (own is not None and any(own.spec)):
+            raise ValueError(f"sharding needs query rank 4 (B, T, N, H), got several batch "
+                             f"dims {lead}: merge them first")
     batched = len(lead) > 0
-    placement = _sharding.find("query", query, sharding, feature_dims=(3,), batched=batched)
+    placement = (None if len(lead) > 1 else
+                 _sharding.find("query", query, sharding, feature_dims=(3,), batched=batched))
     context.strategy(context_parallelism)  # checked before anything is traced
     _sharding.check_order(sequence_order)
     query, key, value = (x.reshape(-1, *x.shape[-3:]) for x in (query, key, value))

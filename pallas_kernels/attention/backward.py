@@ -150,7 +150,7 @@ def dkv(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks, mask=N
         pl.BlockSpec((None, bk), lambda j, h, b: (b, j)), kv_seg,
     )
     common.add_pairs(inputs, mask, bias, heads=groups, rows=t_pad, cols=bk,
-               index=lambda j, h, b: (b, h, 0, j))
+                     index=lambda j, h, b: (b, h, 0, j))
     outputs = (Operands().add("dk", kv_spec, jax.ShapeDtypeStruct(k.shape, k.dtype))
                .add("dv", kv_spec, jax.ShapeDtypeStruct(v.shape, v.dtype)))
     out = _operands.call(
@@ -184,7 +184,7 @@ def dq(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks, mask=No
         pl.BlockSpec((None, s_pad), lambda i, h, b: (b, 0)), kv_seg,
     )
     common.add_pairs(inputs, mask, bias, heads=None, rows=bq, cols=s_pad,
-               index=lambda i, h, b: (b, h, i, 0))
+                     index=lambda i, h, b: (b, h, i, 0))
     if emit == "dq":
         outputs = Operands().add("dq", q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype))
     else:

@@ -133,6 +133,8 @@ def check_pair(name, pair, lead, n, t, s):
         _dispatch.check_floats({name: pair}, _dispatch.HALF_AND_SINGLE,
                                "bfloat16, float16 or float32")
     full = (*lead, n, t, s)
+    if not lead and pair.ndim == 4 and pair.shape[0] == 1:  # jax.nn's batch of one
+        pair = pair[0]
     if pair.ndim > len(full):
         raise ValueError(f"{name} must broadcast to {full}, got {pair.shape}")
     shape = (1,) * (len(full) - pair.ndim) + pair.shape

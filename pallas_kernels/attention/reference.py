@@ -47,7 +47,7 @@ def dot_product_attention(
         band=masking.band(is_causal, local_window_size), q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap,
-        return_residual=return_residual, upcast=upcast,
+        return_residual=return_residual, upcast=upcast, mask=mask, bias=bias,
     )
 
 

@@ -107,11 +107,29 @@ def test_positional_and_keyword_calls_agree():
         pallas_kernels.dot_product_attention(q, k, v, bias, mask, scale=0.2, is_causal=True),
         pallas_kernels.dot_product_attention(query=q, key=k, value=v, mask=mask, bias=bias,
                                              is_causal=np.bool_(True), scale=jnp.float32(0.2)),
+        pallas_kernels.dot_product_attention(q, k, v, bias, mask, scale=np.array([0.2]),
+                                             is_causal=True),
         jax.nn.dot_product_attention(q, k, v, bias, mask, scale=0.2, is_causal=True),
     ]
     for form in forms[1:]:
         np.testing.assert_allclose(np.asarray(form), np.asarray(forms[0]), rtol=1e-5,
                                    atol=1e-5)
+
+
+def test_reference_takes_the_mask_and_bias():
+    from pallas_kernels.attention import reference
+
+    q, k, v = _inputs(10)
+    bias, mask = _bias(11, (B, N, T, S)), _mask(12, (B, 1, T, S))
+    np.testing.assert_allclose(np.asarray(reference.dot_product_attention(q, k, v, bias, mask)),
+                               np.asarray(_jax_nn(q, k, v, bias, mask)), rtol=2e-5, atol=2e-5)
+
+
+def test_unbatched_call_takes_a_mask_with_a_batch_of_one():
+    q, k, v = (x[0] for x in _inputs(13))
+    mask = _mask(14, (1, N, T, S))
+    np.testing.assert_allclose(np.asarray(_ours(q, k, v, None, mask)),
+                               np.asarray(_jax_nn(q, k, v, None, mask)), rtol=2e-5, atol=2e-5)
 
 
 def test_several_batch_dims_and_unbatched_lengths():
@@ -161,7 +179,9 @@ def test_traced_mask_and_bias_under_jit():
     ("traced scale", dict(scale="traced"), TypeError, "scale"),
     ("cudnn with segments", dict(implementation="cudnn", q_segment_ids=jnp.zeros((B, T), int),
                                  kv_segment_ids=jnp.zeros((B, S), int)), ValueError,
-     "q_segment_ids"),
+     "q_segment_ids, kv_segment_ids"),
+    ("cudnn with ring", dict(implementation="cudnn", context_parallelism="ring"), ValueError,
+     "context_parallelism"),
     ("implementation", dict(implementation="fast"), ValueError, "implementation"),
 ])
 def test_bad_arguments_name_themselves(name, kwargs, error, needle):
