@@ -43,18 +43,16 @@ def _bias(seed, shape):
 
 # (id, positional bias and mask (None: absent), jax.nn keywords, our extra keywords)
 CASES = [
-    ("mask BNTS", (None, _mask(1, (B, N, T, S))), {}),
-    ("mask B1TS gqa", (None, _mask(2, (B, 1, T, S))), {}),
+    ("bias and mask BNTS", (_bias(5, (B, N, T, S)), _mask(1, (B, N, T, S))), {}),
     ("mask 11TS causal window", (None, _mask(3, (1, 1, T, S))),
      dict(is_causal=True, local_window_size=(9, 0))),
-    ("key mask B11S lengths", (None, _mask(4, (B, 1, 1, S))),
+    ("key mask B11S lengths gqa", (None, _mask(4, (B, 1, 1, S))),
      dict(query_seq_lengths=jnp.array([T, 25]), key_value_seq_lengths=jnp.array([S, 30]))),
-    ("bias BNTS", (_bias(5, (B, N, T, S)), None), {}),
-    ("bias 1N1S mask gqa causal", (_bias(6, (1, N, 1, S)), _mask(7, (B, 1, T, S))),
+    ("bias 1N1S mask B1TS mqa causal", (_bias(6, (1, N, 1, S)), _mask(7, (B, 1, T, S))),
      dict(is_causal=True)),
     ("bias NTS unbatched", (_bias(8, (N, T, S)), None), dict(scale=0.3)),
 ]
-GQA = {"mask B1TS gqa": 2, "bias 1N1S mask gqa causal": 1}
+GQA = {"key mask B11S lengths gqa": 2, "bias 1N1S mask B1TS mqa causal": 1}
 
 
 def _grads(attention, q, k, v, bias, mask, kw):
