@@ -6,8 +6,6 @@
   causal / local / soft-capped attention, packed segments and a KV cache for decoding.
 """
 
-import math
-import numbers
 import warnings
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -15,7 +13,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.nn.initializers import Initializer
 from jax.typing import DTypeLike
@@ -510,12 +507,8 @@ def check_heads(num_heads, num_kv_heads, qkv_features, rope_theta):
         raise ValueError(
             f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
     head_dim = qkv_features // num_heads
-    if rope_theta is not None:
-        if not isinstance(rope_theta, numbers.Real) or isinstance(rope_theta, bool | np.bool_):
-            raise TypeError(f"rope_theta must be a number or None, got {rope_theta!r}")
-        if not (math.isfinite(rope_theta) and rope_theta > 0):
-            raise ValueError(f"rope_theta must be a finite number > 0 or None, got {rope_theta}")
-        if head_dim % 2:
-            raise ValueError(f"rotary embeddings (rope_theta) need an even head dim, got "
-                             f"{head_dim}")
+    check_positive_numbers(rope_theta=rope_theta)
+    if rope_theta is not None and head_dim % 2:
+        raise ValueError(f"rotary embeddings (rope_theta) need an even head dim, got "
+                         f"{head_dim}")
     return head_dim

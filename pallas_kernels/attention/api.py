@@ -437,6 +437,8 @@ def _backward_kernels(config, residuals, cotangents):
     q, k, v, q_seg, kv_seg, q_len, kv_len, shift, mask, bias, out, lse = residuals
     dout, dlse = cotangents
     delta = jnp.swapaxes(common.softmax_delta(out, dout), 1, 2) - dlse  # (B, N, Tp)
+    if bias is not None:  # a row a -inf bias hides entirely: exp2(-inf - (+inf)) = 0, not NaN
+        lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
     arrays = (config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift, dout.astype(q.dtype), lse,
               delta)
     dbias = None if bias is None else _bias_gradient(*arrays, mask, bias)
@@ -448,8 +450,6 @@ def _gradient_kernels(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift, dout
                       mask=None, bias=None):
     """(dq, dk, dv) of padded arrays from the dK/dV and dQ kernels; lse and delta (B, N, Tp)."""
     t_pad, s_pad = q.shape[1], k.shape[1]
-    if bias is not None:  # a row a -inf bias hides entirely: exp2(-inf - (+inf)) = 0, not NaN
-        lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
     arrays = (q, k, v, dout, lse, delta, q_seg, kv_seg)
     pairs = dict(mask=mask, bias=bias)
     dk, dv = backward.dkv(
@@ -468,7 +468,6 @@ def _bias_gradient(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift, dout, l
     """The gradient of the padded bias (B', N', T', S'): the logits' gradient (the dQ kernel's
     `emit="dbias"`) summed over the bias's broadcast dims."""
     t_pad, s_pad = q.shape[1], k.shape[1]
-    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
     dlogits = backward.dq(
         q, k, v, dout, lse, delta, q_seg, kv_seg,
         _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, shift, mask, "dq"),
