@@ -1,0 +1,76 @@
+"""The sweep behind kv_cache/tuning.py's rows (benchmarks/NOTES.md): attention_with_kv_cache's
+device time (`_timing.chained_seconds`) at decode.py's three shapes, bf16 and int8 caches, over
+the tile (block_k, num_warps, num_stages, keys_first) and, for the long row, the number of
+splits. The tile is swapped into tuning's table for the device's family before each traced
+call. On the GPU machine, from the repository root:
+
+    python -m benchmarks.experiments.decode_tune --out "$OUT/decode_tune.jsonl"
+
+One JSON line per (shape, dtype, tile, splits): ms and the fraction of the copy bandwidth.
+"""
+import argparse
+import dataclasses
+import itertools
+import json
+
+import jax
+
+import pallas_kernels
+from benchmarks import _timing, decode
+from pallas_kernels import _device
+from pallas_kernels.kv_cache import tuning
+
+TILES = [tuning.DecodeBlocks(*tile) for tile in itertools.product(
+    (32, 64, 128), (4, 8), (2, 3, 4), (False, True))]  # block_k, warps, stages, keys_first
+# The long row: every tile at the op's splits, then these splits at 4 warps and 3 stages.
+LONG_SPLITS = (64, 128, 256, 512)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shapes", default="gqa,mha,long")
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU smoke test: decode.py's tiny shapes, interpret mode, 2 tiles")
+    args = parser.parse_args()
+    family = _device.family(jax.devices()[0].device_kind)
+    copy_gbs = decode.copy_bandwidth(1 / 64 if args.quick else 1.0)["gbps"]
+    tiles = TILES[:2] if args.quick else TILES
+    with open(args.out, "a") as log:
+        for name in args.shapes.split(","):
+            sweep, head_dim = ((decode.QUICK_SWEEP, decode.QUICK_HEAD_DIM) if args.quick
+                               else (decode.SWEEP, decode.HEAD_DIM))
+            shape = decode.Shape(name, *sweep[name], head_dim, decode.PAGE_SIZE)
+            inputs = decode.make_inputs(shape, seed=0)
+            q, k_pages, v_pages, table, seqlens = inputs[:5]
+            (k8, k_scale), (v8, v_scale) = decode.quantise_int8(k_pages), decode.quantise_int8(
+                v_pages)
+            configs = [(tile, None) for tile in tiles]
+            if name == "long":
+                configs += [(tuning.DecodeBlocks(bk, 4, 3, first), s) for bk, first, s in
+                            itertools.product((32, 64, 128), (False, True), LONG_SPLITS)]
+            for int8, (tile, splits) in itertools.product((False, True), configs):
+                tuning._TABLE[family] = tile
+
+                def step(q, k, v, seqlens, table, ks, vs, splits=splits, scale=shape.scale):
+                    return pallas_kernels.attention_with_kv_cache(
+                        q, k, v, seqlens, block_table=table, k_scale=ks, v_scale=vs,
+                        scale=scale, num_splits=splits, implementation="pallas",
+                        interpret=args.quick or None)
+
+                arrays = ((q, k8, v8, seqlens, table, k_scale, v_scale) if int8
+                          else (q, k_pages, v_pages, seqlens, table, None, None))
+                row = dict(shape=name, int8=int8, **dataclasses.asdict(tile), splits=splits)
+                try:
+                    seconds = _timing.chained_seconds(jax.jit(step), *arrays, calls=20)
+                except Exception as error:  # noqa: BLE001 - a tile that does not compile
+                    row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                else:
+                    gbs = decode.bytes_read(shape, inputs, int8=int8) / seconds / 1e9
+                    row.update(ms=1e3 * seconds, gbs=gbs, copy_fraction=gbs / copy_gbs)
+                print(json.dumps(row), flush=True)
+                log.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The probe behind the decode-step notes in benchmarks/NOTES.md: where a `HybridLM.generate`
+decode step on the 1.1B model spends its time. Times generate(1) (the prefill) and
+generate(new) (median of 3 after a compile each), then traces one generate(new) with
+jax.profiler and sums the GPU's kernel events: how many kernels a step launches and how long
+they run (against the step time: the rest is the GPU idle between kernels), and the kernels
+that take the most time. XLA_FLAGS are read at start-up, so compare them one process each:
+
+    for flags in "" "--xla_gpu_enable_command_buffer=" ; do XLA_FLAGS="$flags" \\
+        python -m benchmarks.experiments.generate_step_probe --out "$OUT/probe.jsonl"; done
+
+`XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=_generate"`
+keeps the compiled program, whose decode loop body lists the kernels a step launches.
+"""
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+
+import jax
+from flax import nnx
+
+from flax_layers import HybridLM, HybridLMConfig
+
+
+def seconds(model, prompt, new, kv_dtype):
+    def call():
+        model.generate(prompt, new, temperature=0.0, rng=jax.random.key(1), kv_dtype=kv_dtype,
+                       page_size=16).block_until_ready()
+
+    call()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), call
+
+
+def kernel_events(trace_dir):
+    """(name, start_ns, duration_ns) of every event on the GPU planes' stream lines, and the
+    trace's planes and lines with their event counts (what to look at when there are none:
+    without CUPTI the trace has no GPU plane)."""
+    from jax._src.lib import _profile_data
+
+    path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+    data = _profile_data.ProfileData.from_file(path)
+    events = []
+    planes = {plane.name: {line.name: len(list(line.events)) for line in plane.lines}
+              for plane in data.planes}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
+                continue
+            events += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+    return sorted(events, key=lambda e: e[1]), planes
+
+
+def family(name):
+    """A kernel's name without numeric suffixes, so that fusion.12 and fusion.40 add up."""
+    return re.sub(r"[._]\d+", "", name)[:60]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--kv-dtype", default="bfloat16")
+    parser.add_argument("--preset", default="zamba2-1.2b")
+    args = parser.parse_args()
+    config = HybridLMConfig.preset(args.preset, dtype="bfloat16")
+    model = HybridLM(config, rngs=nnx.Rngs(0))
+    prompt = jax.random.randint(jax.random.key(0), (args.batch, args.prompt), 0,
+                                config.vocab_size)
+    prefill_s, _ = seconds(model, prompt, 1, args.kv_dtype)
+    full_s, call = seconds(model, prompt, args.new, args.kv_dtype)
+    steps = args.new - 1
+    row = dict(flags=os.environ.get("XLA_FLAGS", ""), batch=args.batch, prompt=args.prompt,
+               new=args.new, kv_dtype=args.kv_dtype, prefill_ms=1e3 * prefill_s,
+               full_ms=1e3 * full_s, step_ms=1e3 * (full_s - prefill_s) / steps)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        call()
+        jax.profiler.stop_trace()
+        events, planes = kernel_events(trace_dir)
+    if not events:
+        row["trace_planes"] = planes
+    else:
+        # The decode steps are the trace's last `steps` repeats: take the events after the
+        # prefill, i.e. the last fraction of the span that the step time predicts.
+        end = max(s + d for _, s, d in events)
+        start = end - 1e6 * row["step_ms"] * steps
+        decode = [e for e in events if e[1] >= start]
+        busy = sum(d for _, _, d in decode)
+        by_family = collections.Counter()
+        counts = collections.Counter()
+        for name, _, duration in decode:
+            by_family[family(name)] += duration
+            counts[family(name)] += 1
+        row.update(trace_kernels=len(events), decode_kernels_per_step=len(decode) / steps,
+                   decode_busy_ms_per_step=busy / 1e6 / steps,
+                   top=[(name, round(ns / 1e6 / steps, 4), counts[name] / steps)
+                        for name, ns in by_family.most_common(25)])
+    print(json.dumps(row, indent=1), flush=True)
+    with open(args.out, "a") as log:
+        log.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
