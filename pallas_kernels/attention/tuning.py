@@ -49,17 +49,21 @@ class AttentionBlocks:
     def fit(self, t, s, has_pairs=False):
         """Every tile shrunk to a query length t and a key length s (see `KernelBlocks.fit`).
         `has_pairs` (a user's mask or bias, whose tiles are pipelined with the keys and values):
-        at most PAIR_STAGES stages, so that sm_90a's shared memory holds them."""
+        at most PAIR_BLOCK_K keys a block, so that sm_90a's shared memory holds every stage."""
         tiles = [b.fit(t, s) for b in (self.forward, self.dkv, self.dq)]
         if has_pairs:
-            tiles = [dataclasses.replace(b, num_stages=min(b.num_stages, PAIR_STAGES))
+            tiles = [dataclasses.replace(b, block_k=min(b.block_k, PAIR_BLOCK_K))
                      for b in tiles]
         return AttentionBlocks(*tiles)
 
 
-# The forward's 3 stages at head dim 128 take 229,376 B of sm_90a shared memory; a mask and a
-# bias tile add 98,304 B over 232,448 B, 2 stages fit (`tests/test_machine_code.py`).
-PAIR_STAGES = 2
+# The forward's 128 x 128 tile in 3 stages at head dim 128 takes 229,376 B of sm_90a's 232,448 B
+# of shared memory, leaving no room for a mask and a bias tile a stage; 128 x 64 in 3 stages
+# with both takes 180,224 B, and the dQ kernel's 212,992 B (`tests/test_machine_code.py`).
+# Halving the keys a block costs the causal forward 5% on the H200 (benchmarks/results/
+# attention_tune_h200_d128.json); dropping to 2 stages, as before, cost it and the dQ kernel
+# 13% each.
+PAIR_BLOCK_K = 64
 
 
 def padded_head_dim(head_dim):
