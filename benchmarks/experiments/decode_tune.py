@@ -1,8 +1,8 @@
 """The sweep behind kv_cache/tuning.py's rows (benchmarks/NOTES.md): attention_with_kv_cache's
 device time (`_timing.chained_seconds`) at decode.py's three shapes, bf16 and int8 caches, over
-the tile (block_k, num_warps, num_stages, keys_first) and, for the long row, the number of
-splits. The tile is swapped into tuning's table for the device's family before each traced
-call. On the GPU machine, from the repository root:
+the tile (block_k, num_warps, num_stages) and, for the long row, the number of splits. The
+tile is swapped into tuning's table for the device's family before each traced call. On the
+GPU machine, from the repository root:
 
     python -m benchmarks.experiments.decode_tune --out "$OUT/decode_tune.jsonl"
 
@@ -21,7 +21,7 @@ from pallas_kernels import _device
 from pallas_kernels.kv_cache import tuning
 
 TILES = [tuning.DecodeBlocks(*tile) for tile in itertools.product(
-    (32, 64, 128), (4, 8), (2, 3, 4), (False, True))]  # block_k, warps, stages, keys_first
+    (32, 64, 128), (4, 8), (2, 3, 4))]  # block_k, warps, stages
 # The long row: every tile at the op's splits, then these splits at 4 warps and 3 stages.
 LONG_SPLITS = (64, 128, 256, 512)
 
@@ -47,8 +47,8 @@ def main():
                 v_pages)
             configs = [(tile, None) for tile in tiles]
             if name == "long":
-                configs += [(tuning.DecodeBlocks(bk, 4, 3, first), s) for bk, first, s in
-                            itertools.product((32, 64, 128), (False, True), LONG_SPLITS)]
+                configs += [(tuning.DecodeBlocks(bk, 4, 3), s)
+                            for bk, s in itertools.product((32, 64, 128), LONG_SPLITS)]
             for int8, (tile, splits) in itertools.product((False, True), configs):
                 tuning._TABLE[family] = tile
 

@@ -42,7 +42,6 @@ class Static:
     block_k: int
     blocks_per_split: int
     interpret: bool
-    keys_first: bool = False  # products as (keys, rows): see tuning.DecodeBlocks
 
 
 def _read(refs, cache, scales, b, j, static):
@@ -61,18 +60,6 @@ def _read(refs, cache, scales, b, j, static):
     return entries, None if scales is None else scales[pages, :].reshape(bk)
 
 
-def _full_blocks(lo, hi, length, static):
-    """[full_lo, full_hi) inside [lo, hi): the blocks whose keys every row sees and that lie
-    wholly before the length, which need no mask (rows see keys up to length - T, the first
-    row's position; a window starts at the last row's position minus window_left)."""
-    bk = static.block_k
-    full_lo = lo
-    if static.window_left is not None:
-        full_lo = jnp.maximum(lo, _device.cdiv(length - 1 - static.window_left, bk))
-    full_hi = jnp.maximum(jnp.minimum(hi, (length - static.tokens + 1) // bk), full_lo)
-    return jnp.minimum(full_lo, hi), jnp.minimum(full_hi, hi)
-
-
 def _decode_kernel(refs, *, static):
     split, b = pl.program_id(0), pl.program_id(2)
     bk, rows = static.block_k, static.rows
@@ -89,7 +76,7 @@ def _decode_kernel(refs, *, static):
     q = refs.q[...]
     dims = jax.lax.broadcasted_iota(jnp.int32, (bk, static.head_dim_pad), 1)
 
-    def step(j, carry, masked):
+    def step(j, carry):
         acc, row_max, row_sum = carry
         key_ids = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
         keys = key_ids[None, :]
@@ -97,51 +84,31 @@ def _decode_kernel(refs, *, static):
         k = quantization.decode(k, static.key_format, q.dtype)
         if static.head_dim_pad != static.head_dim:  # masked lanes past H may hold anything
             k = jnp.where(dims < static.head_dim, k, 0)
-        if static.keys_first:  # (block_k, rows): the decoded keys are the left operand
-            scores = jnp.dot(k, q.T, preferred_element_type=jnp.float32).T
-        else:
-            scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
+        scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
         if k_scale is not None:
             scores = scores * k_scale[None, :]
-        logits = common.base2_logits(scores, static)
-        if masked:
-            visible = keys <= position
-            if static.window_left is not None:
-                visible &= keys >= position - static.window_left
-            logits = jnp.where(visible, logits, -jnp.inf)
+        visible = keys <= position
+        if static.window_left is not None:
+            visible &= keys >= position - static.window_left
+        logits = jnp.where(visible, common.base2_logits(scores, static), -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
         rescale = jnp.exp2(row_max - new_max)
         probs = jnp.exp2(logits - new_max[:, None])
         row_sum = row_sum * rescale + jnp.sum(probs, axis=1)
         v, v_scale = _read(refs, refs.v, refs.v_scale, b, j, static)
-        v = quantization.decode(v, static.value_format, q.dtype)
-        if masked:  # slots past the length may hold NaN
-            present = key_ids < length
-            v = jnp.where(present[:, None], v, 0)
-            if v_scale is not None:
-                v_scale = jnp.where(present, v_scale, 0.0)
+        present = key_ids < length  # slots past the length may hold NaN
         if v_scale is not None:
-            probs = probs * v_scale[None, :]
-        probs = probs.astype(q.dtype)
-        if static.keys_first:  # acc held as (H_pad, rows): the decoded values on the left
-            acc = acc * rescale[None, :] + jnp.dot(v.T, probs.T,
-                                                   preferred_element_type=jnp.float32)
-        else:
-            acc = acc * rescale[:, None] + jnp.dot(probs, v, preferred_element_type=jnp.float32)
+            probs = probs * jnp.where(present, v_scale, 0.0)[None, :]
+        v = jnp.where(present[:, None], quantization.decode(v, static.value_format, q.dtype), 0)
+        acc = acc * rescale[:, None] + jnp.dot(probs.astype(q.dtype), v,
+                                               preferred_element_type=jnp.float32)
         return acc, new_max, row_sum
 
     # A finite start for the running max keeps exp2(-inf - start) = 0 for masked entries.
-    acc_shape = (static.head_dim_pad, rows) if static.keys_first else (rows, static.head_dim_pad)
-    carry = (jnp.zeros(acc_shape, jnp.float32),
+    carry = (jnp.zeros((rows, static.head_dim_pad), jnp.float32),
              jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    full_lo, full_hi = _full_blocks(lo, hi, length, static)
-    carry = jax.lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-    carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-    acc, row_max, row_sum = jax.lax.fori_loop(full_hi, hi, functools.partial(step, masked=True),
-                                              carry)
-    if static.keys_first:
-        acc = acc.T
+    acc, row_max, row_sum = jax.lax.fori_loop(lo, hi, step, carry)
     empty = row_sum == 0.0
     safe_sum = jnp.where(empty, 1.0, row_sum)
     refs.out[...] = acc / safe_sum[:, None]

@@ -14,15 +14,11 @@ from pallas_kernels import _device
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlocks:
-    """`block_k` keys per step (a power of two, >= 16); Triton's warps and stages;
-    `keys_first`: the products run as keys x rows (K q^T, V^T P^T), so the decoded cache
-    tile is the left operand (which Hopper's wgmma may take from registers) and the block of
-    keys (>= 64) its M dimension, instead of the G x T query rows (padded to 16)."""
+    """`block_k` keys per step (a power of two, >= 16); Triton's warps and stages."""
 
     block_k: int
     num_warps: int
     num_stages: int
-    keys_first: bool = False
 
 
 _TABLE = {

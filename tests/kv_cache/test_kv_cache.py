@@ -1,7 +1,6 @@
 """Decode attention over a KV cache (the split-K kernel in interpret mode on CPU, and the xla path)
 against the float32 reference, and writing the cache with `update_kv_cache`."""
 
-import dataclasses
 import functools
 import zlib
 
@@ -12,7 +11,7 @@ import pytest
 from kv_cache_cases import QMAX, assert_matches, make_case, normals, poison, tolerance
 
 import pallas_kernels
-from pallas_kernels.kv_cache import reference, tuning
+from pallas_kernels.kv_cache import reference
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 INT8, E4M3, FNUZ = jnp.int8, jnp.float8_e4m3fn, jnp.uint8  # uint8: float8_e4m3fnuz bits
@@ -106,17 +105,6 @@ def test_matches_reference_on_poisoned_caches(case, path):
     ref_out, ref_lse = _exact(q, seqlens, clean, **call)
     assert_matches(name, out, lse, ref_out, ref_lse,
                    tol=tolerance(spec.get("q_dtype", F32), spec.get("cache_dtype", F32)))
-
-
-KEYS_FIRST_CASES = [CASES[i] for i in (1, 2, 3, 4, 9)]
-
-
-@pytest.mark.parametrize("case", KEYS_FIRST_CASES, ids=[c[0] for c in KEYS_FIRST_CASES])
-def test_keys_first_products_match_the_reference(case, monkeypatch):
-    """The tile option `keys_first` (products as keys x rows) on every GPU family's row."""
-    for family, blocks in list(tuning._TABLE.items()):
-        monkeypatch.setitem(tuning._TABLE, family, dataclasses.replace(blocks, keys_first=True))
-    test_matches_reference_on_poisoned_caches(case, "pallas")
 
 
 @pytest.mark.parametrize("case", [CASES[2], CASES[7]], ids=[CASES[2][0], CASES[7][0]])
