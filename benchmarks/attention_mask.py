@@ -77,11 +77,16 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--tag", required=True)
+    parser.add_argument("--causal-only", action="store_true",
+                        help="only causal and the cases measured against it")
     args = parser.parse_args(argv)
     key = jax.random.key(0)
     shape = (BATCH, args.length, HEADS, HEAD_DIM)
     q, k, v = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in jax.random.split(key, 3))
     table = cases(args.length)
+    if args.causal_only:
+        table = {name: case for name, case in table.items()
+                 if name == "causal" or case[0] == "causal"}
     steps = {name: step(kw, dbias) for name, (_, kw, dbias) in table.items()}
     samples = {name: [] for name in table}
     for r in range(args.rounds):
