@@ -341,6 +341,7 @@ def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_to
     """`HybridLM.generate`: the prefill (in groups of `prefill_rows` rows, `_prefill`) and its
     token, then the decode loop (a `lax.while_loop` whose carry holds the caches, so XLA
     updates them in place), each step a forward of the last token and a sample."""
+    state = _weights_in(state, nnx.merge(graphdef, state).config.dtype)
     model = nnx.merge(graphdef, state)
     batch, t = prompt.shape
     cache_options = dict(max_length=t + max_new_tokens - 1, kv_dtype=kv_dtype,
@@ -384,6 +385,24 @@ def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_to
     i, _, tokens, _, last = jax.lax.while_loop(unfinished, step, start)
     # Every row stopped before the end: the positions not reached repeat its last token.
     return jnp.where(jnp.arange(max_new_tokens) < i, tokens, last[:, None])
+
+
+def _weights_in(state, dtype):
+    """`state` with its matmul weights (the Linear kernels and the embedding table) cast to
+    the compute `dtype` (None: as they are) once, as every layer casts them at each use (the
+    same values). Inside the decode loop XLA on GPU does not hoist those casts: at the 1.1B
+    shape each step converted 6 GB of float32 weights (4.2 ms of a 4.2 ms step on an H100)."""
+    if dtype is None:
+        return state
+
+    def cast(path, leaf):
+        names = [key.key for key in path if isinstance(key, jax.tree_util.DictKey)]
+        if names and names[-1] in ("kernel", "embedding") and jnp.issubdtype(leaf.dtype,
+                                                                               jnp.floating):
+            return leaf.astype(dtype)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(cast, state)
 
 
 def _prefill(graphdef, state, prompt, lengths, rows, cache_options):

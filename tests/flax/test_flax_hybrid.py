@@ -394,6 +394,23 @@ def test_the_decode_loop_copies_no_cache():
     assert not copies, copies
 
 
+def test_the_decode_loop_reads_the_weights_in_the_compute_dtype():
+    """A bf16 model's float32 matmul weights are cast once, before the prefill: no convert of a
+    weight inside the decode loop (XLA on GPU would run it at every step)."""
+    config = HybridLMConfig(**SMALL, implementation="xla", dtype=jnp.bfloat16)
+    graphdef, state = nnx.split(HybridLM(config, rngs=nnx.Rngs(0)))
+    prompt = jnp.ones((2, 5), jnp.int32)
+    hlo = jax.jit(lambda state: nnx.merge(graphdef, state).generate(
+        prompt, 7, temperature=0.0, rng=jax.random.key(0))).lower(state).as_text(dialect="hlo")
+    weights = {"bf16[" + ",".join(map(str, leaf.shape)) + "]"
+               for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+               if re.search(r"\['(kernel|embedding)'\]", jax.tree_util.keystr(path))}
+    assert len(weights) >= 4
+    converts = [line for line in _while_body(hlo) if " convert(" in line
+                and any(f"= {shape}" in line for shape in weights)]
+    assert not converts, converts
+
+
 def _while_body(hlo):
     """The lines of the computations the HLO module's while loops run (bodies, and what they
     call)."""
