@@ -156,7 +156,8 @@ def dkv(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks, mask=N
     out = _operands.call(
         functools.partial(_dkv_kernel, static=static, block_q=bq, block_k=bk),
         inputs, outputs,
-        grid=(s_pad // bk, kv_heads, batch),
+        grid=common.shared_pairs_grid((s_pad // bk, kv_heads, batch), inputs, outputs, mask,
+                                      bias),
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
         interpret=static.interpret,
         name="flash_attention_dkv",
@@ -194,7 +195,7 @@ def dq(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks, mask=No
     return _operands.call(
         functools.partial(_dq_kernel, static=static, block_q=bq, block_k=bk),
         inputs, outputs,
-        grid=(t_pad // bq, heads, batch),
+        grid=common.shared_pairs_grid((t_pad // bq, heads, batch), inputs, outputs, mask, bias),
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
         interpret=static.interpret,
         name=f"flash_attention_{emit}",

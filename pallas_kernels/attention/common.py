@@ -102,6 +102,26 @@ def visit_blocks(table_ref, step, carry, static: Static):
     return jax.lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 
+def shared_pairs_grid(grid, inputs, outputs, mask, bias):
+    """The grid to launch: `grid` (blocks, heads, batch), or (blocks, batch, heads) when a
+    user's mask or bias is shared by the batch rows (its batch dim is 1, the batch's is not).
+    Then the programs that read the same pair tiles for each row run side by side and read
+    them once through L2, instead of heads x blocks programs apart. The `Operands`' specs are
+    rewritten in place to keep their (block, head, batch) index maps; the kernels read only
+    program_id(0), which stays the blocks."""
+    blocks, heads, batch = grid
+    if batch == 1 or all(p is None or p.shape[0] > 1 for p in (mask, bias)):
+        return grid
+    for operands in (inputs, outputs):
+        operands.specs = [_batch_second(spec) for spec in operands.specs]
+    return blocks, batch, heads
+
+
+def _batch_second(spec):
+    index_map = spec.index_map
+    return dataclasses.replace(spec, index_map=lambda i, b, h: index_map(i, h, b))
+
+
 def pair_spec(pair, *, heads, rows, cols, index):
     """BlockSpec of a user's mask or bias, (B', N', T', S') with each dim 1 (broadcast) or
     full: a full dim gets the block size `heads` (None: one head, squeezed), `rows` or `cols`,

@@ -98,7 +98,8 @@ def forward(q, k, v, q_seg, kv_seg, table, *, static, blocks, mask=None, bias=No
     )
     out = _operands.call(
         kernel, inputs, outputs,
-        grid=(num_q_blocks, heads, batch),
+        grid=common.shared_pairs_grid((num_q_blocks, heads, batch), inputs, outputs, mask,
+                                      bias),
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
         interpret=static.interpret,
         name="flash_attention_forward",
