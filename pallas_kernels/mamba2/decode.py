@@ -92,8 +92,9 @@ def _pallas_step(dt_softplus, dt_limit, interpret, state, x, dt, A, B, C, D, z, 
     pad = _device.pad_end
     dt_step = semantics.step_sizes(dt, dt_bias, dt_softplus, dt_limit, jnp.float32)
     decay = jnp.exp(dt_step * semantics.decay_rates(A.astype(jnp.float32)))
-    if D is not None:
-        D = pad(semantics.skip_weights(D, h, p), (None, p_pad))
+    if D is not None:  # (H, 1) broadcasts over the head dim in the kernel: no (H, P) copy
+        D = D.astype(jnp.float32)
+        D = D.reshape(h, 1) if D.ndim == 1 else pad(D, (None, p_pad))
     y, new_state = _state_update(
         pad(state, (None, None, p_pad, n_pad)),  # itself for powers of two: updated in place
         jnp.stack([dt_step, decay], axis=-1),
@@ -158,9 +159,9 @@ def _state_update(state, step, x, b, c, d, z, slots, *, interpret, num_warps=4):
     """The kernel on padded inputs.
 
     state (B, H, Pp, Np), or with `slots` (S, H, Pp, Np), in any float dtype; step (B, H, 2)
-    float32 holding (dt', exp(dt' A)); x, z (B, H, Pp); b, c (B, G, Np); d (H, Pp) float32 or
-    None; slots (B,) int32 or None. Returns y (B, H, Pp) in x's dtype and the new state, the
-    state's buffer updated in place (same shape and dtype).
+    float32 holding (dt', exp(dt' A)); x, z (B, H, Pp); b, c (B, G, Np); d (H, Pp) or (H, 1)
+    float32, or None; slots (B,) int32 or None. Returns y (B, H, Pp) in x's dtype and the new
+    state, the state's buffer updated in place (same shape and dtype).
     """
     batch, heads, p_pad = x.shape
     n_pad = state.shape[-1]
@@ -175,7 +176,8 @@ def _state_update(state, step, x, b, c, d, z, slots, *, interpret, num_warps=4):
               .add("state", state_spec, state)
               .add("step", pl.BlockSpec((None, None, 2), lambda h, i: (i, h, 0)), step)
               .add("x", vector, x).add("b", group, b).add("c", group, c)
-              .add("d", pl.BlockSpec((None, p_pad), lambda h, i: (h, 0)), d)
+              .add("d", None if d is None else pl.BlockSpec((None, d.shape[1]),
+                                                             lambda h, i: (h, 0)), d)
               .add("z", vector, z)
               .add("slot", pl.BlockSpec((None,), lambda h, i: (i,)), slots))
     outputs = (Operands().add("y", vector, jax.ShapeDtypeStruct(x.shape, x.dtype))
