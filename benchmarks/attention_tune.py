@@ -3,6 +3,9 @@
     python -m benchmarks.attention_tune --check --head-dims 64,128 --seq-lens 8192 \
         --out benchmarks/results/attention_tune_h200_d128.json
 
+GQA: `--groups 8`; a dK/dV candidate's fifth entry is its `head_splits`, e.g.
+`--candidates '{"dkv": [[64, 64, 4, 2, 1], [64, 64, 4, 2, 2], [64, 64, 4, 2, 4]]}'`.
+
 `--check` compares the kernels (bf16) with the float32 reference and with a bf16 reference at
 sizes where the reference fits. The sweep times each kernel alone (forward, dK/dV, dQ) for each
 candidate tile of `CANDIDATES`, with inputs of the FlashAttention-3 sweep (16k tokens, hidden
@@ -114,7 +117,7 @@ def sweep_kernel(kernel, b, t, n, k, h, causal, rows):
         sizes = tuning.AttentionBlocks(blocks, blocks, blocks)
         config = api._Config(static, sizes, (b, t, t), (t, t, h))
         try:
-            table = api._tables(config, t, t, None, None, None, None, None, kernel)
+            table = api._tables(config, t, t, None, None, None, None, None, None, kernel)
             if kernel == "forward":
                 fn = jax.jit(lambda q, kk, v, table=table, blocks=blocks: forward.forward(
                     q, kk, v, None, None, table, static=static, blocks=blocks))
@@ -175,6 +178,8 @@ def main(argv=None):
     parser.add_argument("--causal", choices=("both", "causal", "full"), default="both")
     parser.add_argument("--kernels", default="forward,dkv,dq")
     parser.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seq len")
+    parser.add_argument("--groups", type=int, default=1,
+                        help="query heads per key/value head (GQA; 1: MHA)")
     parser.add_argument("--interpret", action="store_true")
     parser.add_argument("--candidates", help='JSON {"forward": [[bq, bk, warps, stages], ...], ...}'
                         " replacing CANDIDATES for the kernels it names")
@@ -195,17 +200,18 @@ def main(argv=None):
         map(int, args.head_dims.split(",")), map(int, args.seq_lens.split(",")), causal_modes)
     for h, t, causal in shapes:
         b, n = max(1, args.tokens // t), 2048 // h
+        k = n // args.groups
         for kernel in filter(None, args.kernels.split(",")):
-            sweep_kernel(kernel, b, t, n, n, h, causal, result["sweep"])
+            sweep_kernel(kernel, b, t, n, k, h, causal, result["sweep"])
         best = {}
         for kernel in ("forward", "dkv", "dq"):
             timed = [r for r in result["sweep"] if r["kernel"] == kernel and "ms" in r
-                     and r["shape"] == (b, t, n, n, h) and r["causal"] == causal]
+                     and r["shape"] == (b, t, n, k, h) and r["causal"] == causal]
             if timed:
                 best[kernel] = tuning.KernelBlocks(*min(timed, key=lambda r: r["ms"])["blocks"])
         default = tuning.blocks_for(jax.devices()[0].device_kind, h)
         tuned = dataclasses.replace(default, **best)
-        end_to_end(b, t, n, n, h, causal, result["e2e"], block_sizes=tuned)
+        end_to_end(b, t, n, k, h, causal, result["e2e"], block_sizes=tuned)
         result["e2e"][-2]["blocks"] = dataclasses.asdict(tuned)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -12,6 +12,7 @@ Each gradient element is written once by one program, so reruns are bitwise iden
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ def _probabilities(scores, lse2, static, bias2):
     return capped, jnp.exp2(capped + bias2 - lse2)
 
 
-def _dkv_kernel(refs, *, static, block_q, block_k):
+def _dkv_kernel(refs, *, static, block_q, block_k, heads):
     k_block = pl.program_id(0)
     k = refs.k[...]
     v = refs.v[...]
@@ -71,7 +72,7 @@ def _dkv_kernel(refs, *, static, block_q, block_k):
         return common.visit_blocks(refs.table, step, carry, static)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = jax.lax.fori_loop(0, static.groups, head, (zeros, zeros))
+    dk, dv = jax.lax.fori_loop(0, heads, head, (zeros, zeros))
     refs.dk[...] = (dk * static.scale).astype(refs.dk.dtype)
     refs.dv[...] = dv.astype(refs.dv.dtype)
 
@@ -135,34 +136,52 @@ def dkv(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks, mask=N
 
     lse and delta are (B, N, Tp) float32; `table` is the `masking.block_table` of key blocks over
     query blocks (transposed band); `blocks` a `tuning.KernelBlocks`; mask and bias as in
-    `forward.forward`.
+    `forward.forward`. With `blocks.head_splits` > 1 a group's query heads are split across
+    that many programs (at most the group size, a divisor of it): each writes its part of dK
+    and dV in float32, and the parts are added in a fixed order (bitwise reproducible).
     """
     batch, t_pad, _, d_pad = q.shape
     s_pad, kv_heads = k.shape[1], k.shape[2]
-    bq, bk, groups = blocks.block_q, blocks.block_k, static.groups
-    group_spec = pl.BlockSpec((None, t_pad, groups, d_pad), lambda j, h, b: (b, 0, h, 0))
-    group_rows = pl.BlockSpec((None, groups, t_pad), lambda j, h, b: (b, h, 0))
-    kv_spec = pl.BlockSpec((None, bk, None, d_pad), lambda j, h, b: (b, j, h, 0))
+    bq, bk = blocks.block_q, blocks.block_k
+    splits = math.gcd(blocks.head_splits, static.groups)
+    per = static.groups // splits  # query heads a program loops over
+
+    def kv_head(h):  # program axis 1 runs over (KV head, split) pairs, h * splits + split
+        return h // splits
+
+    group_spec = pl.BlockSpec((None, t_pad, per, d_pad), lambda j, h, b: (b, 0, h, 0))
+    group_rows = pl.BlockSpec((None, per, t_pad), lambda j, h, b: (b, h, 0))
+    kv_spec = pl.BlockSpec((None, bk, None, d_pad), lambda j, h, b: (b, j, kv_head(h), 0))
     inputs = _inputs(
         pl.BlockSpec((None, None, table.shape[-1]), lambda j, h, b: (b, j, 0)), table,
         group_spec, kv_spec, group_rows, q, k, v, do, lse, delta,
         pl.BlockSpec((None, t_pad), lambda j, h, b: (b, 0)), q_seg,
         pl.BlockSpec((None, bk), lambda j, h, b: (b, j)), kv_seg,
     )
-    common.add_pairs(inputs, mask, bias, heads=groups, rows=t_pad, cols=bk,
+    common.add_pairs(inputs, mask, bias, heads=per, rows=t_pad, cols=bk,
                      index=lambda j, h, b: (b, h, 0, j))
-    outputs = (Operands().add("dk", kv_spec, jax.ShapeDtypeStruct(k.shape, k.dtype))
-               .add("dv", kv_spec, jax.ShapeDtypeStruct(v.shape, v.dtype)))
+    if splits == 1:
+        out_spec, out_shapes = kv_spec, (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v))
+    else:  # (splits, B, Sp, K, Dp) float32 parts
+        out_spec = pl.BlockSpec((None, None, bk, None, d_pad),
+                                lambda j, h, b: (h % splits, b, j, kv_head(h), 0))
+        out_shapes = (jax.ShapeDtypeStruct((splits, *x.shape), jnp.float32) for x in (k, v))
+    outputs = Operands()
+    for name, shape in zip(("dk", "dv"), out_shapes, strict=True):
+        outputs.add(name, out_spec, shape)
     out = _operands.call(
-        functools.partial(_dkv_kernel, static=static, block_q=bq, block_k=bk),
+        functools.partial(_dkv_kernel, static=static, block_q=bq, block_k=bk, heads=per),
         inputs, outputs,
-        grid=common.shared_pairs_grid((s_pad // bk, kv_heads, batch), inputs, outputs, mask,
-                                      bias),
+        grid=common.shared_pairs_grid((s_pad // bk, kv_heads * splits, batch), inputs, outputs,
+                                      mask, bias),
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
         interpret=static.interpret,
         name="flash_attention_dkv",
     )
-    return out["dk"], out["dv"]
+    if splits == 1:
+        return out["dk"], out["dv"]
+    return tuple(functools.reduce(jnp.add, list(out[name])).astype(x.dtype)  # fixed order
+                 for name, x in (("dk", k), ("dv", v)))
 
 
 def dq(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks, mask=None, bias=None,

@@ -13,15 +13,19 @@ from pallas_kernels import _device
 
 @dataclasses.dataclass(frozen=True)
 class KernelBlocks:
-    """Tile of one kernel: `block_q` query rows by `block_k` key rows; Triton launch knobs."""
+    """Tile of one kernel: `block_q` query rows by `block_k` key rows; Triton launch knobs.
+    `head_splits` (the dK/dV kernel only): the programs a GQA group's query heads are split
+    across (their float32 partial dK/dV added in a fixed order); 1 loops over the whole group
+    in one program."""
 
     block_q: int
     block_k: int
     num_warps: int
     num_stages: int
+    head_splits: int = 1
 
     def __post_init__(self):
-        for name in ("block_q", "block_k", "num_warps"):
+        for name in ("block_q", "block_k", "num_warps", "head_splits"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a positive power of two, got {value}")

@@ -12,9 +12,9 @@ from pallas_kernels.attention import api, masking, tuning
 
 B, T, S, N, H = 2, 40, 48, 4, 16
 
-SMALL = tuning.AttentionBlocks(
+SMALL = tuning.AttentionBlocks(  # the dK/dV kernel splits GQA groups across two programs
     tuning.KernelBlocks(16, 16, 4, 1),
-    tuning.KernelBlocks(16, 16, 4, 1),
+    tuning.KernelBlocks(16, 16, 4, 1, head_splits=2),
     tuning.KernelBlocks(16, 16, 4, 1),
 )
 
