@@ -77,8 +77,9 @@ def dot_product_attention(
         N % K == 0 (K < N is GQA, K == 1 MQA; key/value heads are never repeated in memory).
       bias: an additive float bias of the logits, broadcastable to (B, N, T, S) (each dim 1 or
         full), or None. Read tile by tile in the kernels. Its gradient (computed only where it
-        is used) is the logits' gradient, (B, N, T, S) float32 in memory, summed over the
-        bias's broadcast dims.
+        is used) is the logits' gradient summed over the bias's broadcast dims: over the batch
+        rows in the kernel when the bias's batch dim is 1 ((1, N, T, S) float32 in memory),
+        else (B, N, T, S) float32 summed by XLA.
       mask: a boolean mask broadcastable to (B, N, T, S) (True: the query sees the key), or
         None. Read tile by tile in the kernels; blocks it masks whole at the start or end of a
         row of blocks are skipped, and blocks it leaves whole run unmasked.
@@ -465,14 +466,17 @@ def _gradient_kernels(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift, dout
 
 def _bias_gradient(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift, dout, lse, delta, mask,
                    bias):
-    """The gradient of the padded bias (B', N', T', S'): the logits' gradient (the dQ kernel's
-    `emit="dbias"`) summed over the bias's broadcast dims."""
+    """The gradient of the padded bias (B', N', T', S'): the logits' gradient summed over the
+    bias's broadcast dims, the batch rows in the kernel (`backward.dbias_over_rows`) when the
+    bias is shared by several, else by the dQ kernel's `emit="dbias"` and XLA."""
     t_pad, s_pad = q.shape[1], k.shape[1]
-    dlogits = backward.dq(
-        q, k, v, dout, lse, delta, q_seg, kv_seg,
-        _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, shift, mask, "dq"),
-        static=config.static, blocks=config.blocks.dq, mask=mask, bias=bias, emit="dbias",
-    )
+    arrays = (q, k, v, dout, lse, delta, q_seg, kv_seg,
+              _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, shift, mask, "dq"))
+    options = dict(static=config.static, blocks=config.blocks.dq, mask=mask, bias=bias)
+    if bias.shape[0] == 1 and q.shape[0] > 1:
+        dlogits = backward.dbias_over_rows(*arrays, **options)
+    else:
+        dlogits = backward.dq(*arrays, **options, emit="dbias")
     broadcast = tuple(i for i, size in enumerate(bias.shape) if size == 1)
     return jnp.sum(dlogits, axis=broadcast, keepdims=True).astype(bias.dtype)
 

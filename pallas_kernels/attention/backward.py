@@ -221,6 +221,92 @@ def dq(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks, mask=No
     )[emit]
 
 
+def _dbias_rows_kernel(refs, *, static, block_q, block_k):
+    """The logits' gradient of one query block and head summed over the batch rows (a bias
+    that they share): for each key block any row visits, every row's tile in row order (a
+    fixed order), written once; the other key blocks get zeros. Every ref but the bias and
+    the output holds all batch rows."""
+    q_block = pl.program_id(0)
+    batch = refs.q.shape[0]
+    tile_shape = (block_q, block_k)
+
+    def widen(b, bounds):  # the key blocks row b visits, if any
+        lo, hi = refs.table[b, masking.LO], refs.table[b, masking.HI]
+        return jnp.where(hi > lo, jnp.minimum(bounds[0], lo), bounds[0]), jnp.maximum(
+            bounds[1], hi)
+
+    lo, hi = jax.lax.fori_loop(0, batch, widen, (jnp.int32(refs.dbias.shape[-1] // block_k),
+                                                 jnp.int32(0)))
+    lo = jnp.minimum(lo, hi)
+
+    def row_tile(j, b):
+        cols = _device.block_slice(j, block_k)
+        k = refs.k[b, cols, :]  # past a length k and v may hold NaN: the mask selects it away
+        v = refs.v[b, cols, :]
+        scores = jnp.dot(refs.q[b], k.T, preferred_element_type=jnp.float32)
+        _, probs = _probabilities(scores, refs.lse[b][:, None] * common.LOG2E, static,
+                                  common.pair_logits(refs, slice(None), cols))
+        mask = common.block_mask(
+            refs.table, q_block * block_q, block_q, j * block_k, block_k, static, static.band,
+            None if refs.q_seg is None else refs.q_seg[b],
+            None if refs.kv_seg is None else refs.kv_seg[b, cols], batch_row=b,
+        ) & common.pair_visible(refs, slice(None), cols, b)
+        probs = jnp.where(mask, probs, 0.0)
+        dprobs = jnp.dot(refs.do[b], v.T, preferred_element_type=jnp.float32)
+        # a masked pair's dprobs or delta may be NaN
+        return jnp.where(mask, probs * (dprobs - refs.delta[b][:, None]), 0.0)
+
+    def visit(j, carry):
+        tile = jax.lax.fori_loop(0, batch, lambda b, acc: acc + row_tile(j, b),
+                                 jnp.zeros(tile_shape, jnp.float32))
+        refs.dbias[:, _device.block_slice(j, block_k)] = tile.astype(refs.dbias.dtype)
+        return carry
+
+    def zero(j, carry):
+        refs.dbias[:, _device.block_slice(j, block_k)] = jnp.zeros(tile_shape, refs.dbias.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, lo, zero, 0)
+    jax.lax.fori_loop(lo, hi, visit, 0)
+    jax.lax.fori_loop(hi, refs.dbias.shape[-1] // block_k, zero, 0)
+
+
+# The row loop pipelines q and dO tiles besides k, v and the pair tiles: 3 stages at head dim
+# 128 took 303,104 B of sm_90a's 232,448 B of shared memory; 2 take 204,800 B (d64 and d256
+# fit too; `tests/test_machine_code.py`).
+ROWS_STAGES = 2
+
+
+def dbias_over_rows(q, k, v, do, lse, delta, q_seg, kv_seg, table, *, static, blocks, mask,
+                    bias):
+    """The logits' gradient summed over the batch rows, (1, N, Tp, Sp) float32, for a bias
+    whose batch dim is 1 (zero where no row sees a pair): one program per query block and
+    head loops over the rows, so no (B, N, Tp, Sp) buffer is made. Arguments as in `dq`."""
+    batch, t_pad, heads, d_pad = q.shape
+    s_pad = k.shape[1]
+    bq, bk, groups = blocks.block_q, blocks.block_k, static.groups
+    q_spec = pl.BlockSpec((batch, bq, None, d_pad), lambda i, h, _: (0, i, h, 0))
+    rows_spec = pl.BlockSpec((batch, None, bq), lambda i, h, _: (0, h, i))
+    kv_spec = pl.BlockSpec((batch, s_pad, None, d_pad), lambda i, h, _: (0, 0, h // groups, 0))
+    inputs = _inputs(
+        pl.BlockSpec((batch, None, table.shape[-1]), lambda i, h, _: (0, i, 0)), table,
+        q_spec, kv_spec, rows_spec, q, k, v, do, lse, delta,
+        pl.BlockSpec((batch, bq), lambda i, h, _: (0, i)), q_seg,
+        pl.BlockSpec((batch, s_pad), lambda i, h, _: (0, 0)), kv_seg,
+    )
+    common.add_pairs(inputs, mask, bias, heads=None, rows=bq, cols=s_pad, batch=batch,
+                     index=lambda i, h, _: (0, h, i, 0))
+    outputs = Operands().add(
+        "dbias", pl.BlockSpec((None, None, bq, s_pad), lambda i, h, _: (0, h, i, 0)),
+        jax.ShapeDtypeStruct((1, heads, t_pad, s_pad), jnp.float32))
+    return _operands.call(
+        functools.partial(_dbias_rows_kernel, static=static, block_q=bq, block_k=bk),
+        inputs, outputs, grid=(t_pad // bq, heads, 1),
+        num_warps=blocks.num_warps, num_stages=min(blocks.num_stages, ROWS_STAGES),
+        interpret=static.interpret, name="flash_attention_dbias",
+    )["dbias"]
+
+
 def _inputs(table_spec, table, q_spec, kv_spec, rows_spec, q, k, v, do, lse, delta,
             q_seg_spec, q_seg, kv_seg_spec, kv_seg):
     """The named inputs of a backward kernel: q and dO share `q_spec`, k and v `kv_spec`, lse

@@ -62,16 +62,22 @@ def soft_cap_derivative(logits2, static: Static):
     return 1.0 - tanh * tanh
 
 
-def block_mask(table_ref, row_start, rows, col_start, cols, static, band, row_seg, col_seg):
-    """Visibility of a (rows, cols) tile whose corner is (row_start, col_start)."""
+def block_mask(table_ref, row_start, rows, col_start, cols, static, band, row_seg, col_seg,
+               batch_row=None):
+    """Visibility of a (rows, cols) tile whose corner is (row_start, col_start). `batch_row`:
+    the table ref holds every batch row's entry (B, TABLE_WIDTH); this one's is read."""
+
+    def entry(column):
+        return table_ref[column] if batch_row is None else table_ref[batch_row, column]
+
     row_pos = row_start + jnp.arange(rows, dtype=jnp.int32)[:, None]
     col_pos = col_start + jnp.arange(cols, dtype=jnp.int32)[None, :]
     return masking.visible(
         row_pos, col_pos, band=band,
-        row_len=table_ref[masking.ROW_LEN], col_len=table_ref[masking.COL_LEN],
+        row_len=entry(masking.ROW_LEN), col_len=entry(masking.COL_LEN),
         row_segments=None if row_seg is None else row_seg[:, None],
         col_segments=None if col_seg is None else col_seg[None, :],
-        shift=table_ref[masking.SHIFT] if static.shifted else None,
+        shift=entry(masking.SHIFT) if static.shifted else None,
     )
 
 
@@ -122,13 +128,14 @@ def _batch_second(spec):
     return dataclasses.replace(spec, index_map=lambda i, b, h: index_map(i, h, b))
 
 
-def pair_spec(pair, *, heads, rows, cols, index):
+def pair_spec(pair, *, heads, rows, cols, index, batch=None):
     """BlockSpec of a user's mask or bias, (B', N', T', S') with each dim 1 (broadcast) or
-    full: a full dim gets the block size `heads` (None: one head, squeezed), `rows` or `cols`,
-    a broadcast one its single entry. `index(*program ids)` gives the (batch, head, row, col)
-    block indices of full dims."""
+    full: a full dim gets the block size `batch` (None: one row, squeezed), `heads` (None: one
+    head, squeezed), `rows` or `cols`, a broadcast one its single entry. `index(*program ids)`
+    gives the (batch, head, row, col) block indices of full dims."""
     b, n, t, s = pair.shape
-    block = (None, heads if n > 1 else None, rows if t > 1 else 1, cols if s > 1 else 1)
+    block = (batch if b > 1 else None, heads if n > 1 else None, rows if t > 1 else 1,
+             cols if s > 1 else 1)
 
     def index_map(*ids):
         return tuple(i if size > 1 else 0 for i, size in zip(index(*ids), pair.shape,
@@ -145,27 +152,28 @@ def add_pairs(inputs, mask, bias, **spec):
             inputs.add(name, pair_spec(pair, **spec), pair)
 
 
-def pair_tile(ref, rows, cols, head=None):
+def pair_tile(ref, rows, cols, lead=None):
     """The tile of a `pair_spec` ref at `rows` x `cols` (slices of its block), in the block's
     (T, S) orientation; a broadcast dim (size 1) is read whole, so the tile broadcasts.
-    `head` indexes the block's heads when it has several (the dK/dV kernel's group)."""
-    index = (head,) if len(ref.shape) == 3 else ()
+    `lead` indexes the block's leading dim when it has one: the heads of the dK/dV kernel's
+    group, or the batch rows of `backward.dbias_over_rows`."""
+    index = (lead,) if len(ref.shape) == 3 else ()
     rows = rows if ref.shape[-2] > 1 else slice(None)
     cols = cols if ref.shape[-1] > 1 else slice(None)
     return ref[(*index, rows, cols)]
 
 
-def pair_logits(refs, rows, cols, head=None, transpose=False):
+def pair_logits(refs, rows, cols, lead=None, transpose=False):
     """The base-2 bias tile to add to the logits (0.0 without a bias), float32."""
     if refs.bias is None:
         return 0.0
-    tile = pair_tile(refs.bias, rows, cols, head).astype(jnp.float32) * LOG2E
+    tile = pair_tile(refs.bias, rows, cols, lead).astype(jnp.float32) * LOG2E
     return tile.T if transpose else tile
 
 
-def pair_visible(refs, rows, cols, head=None, transpose=False):
+def pair_visible(refs, rows, cols, lead=None, transpose=False):
     """The user's mask tile as booleans (True without a mask)."""
     if refs.mask is None:
         return True
-    tile = pair_tile(refs.mask, rows, cols, head) != 0
+    tile = pair_tile(refs.mask, rows, cols, lead) != 0
     return tile.T if transpose else tile

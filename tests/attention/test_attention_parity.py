@@ -97,6 +97,35 @@ def test_kernels_match_jax_nn(case):
         np.testing.assert_allclose(x, ref, rtol=2e-5, atol=2e-5, err_msg=f"{name}: {label}")
 
 
+def test_a_bias_shared_by_the_batch_rows_gets_their_summed_gradient():
+    """A (1, N, T, S) bias over 3 rows, with each row's own mask, key length and segments and a
+    soft cap: the kernel sums its gradient over the rows (no (B, N, T, S) buffer), against the
+    reference's. Keys and values past the lengths hold NaN and inf."""
+    q, k, v = (jnp.concatenate([x, x[:1] * 0.5], axis=0) for x in _inputs(15, k_heads=2))
+    kv_len = jnp.array([S, 30, 21])
+    past = (jnp.arange(S)[None, :] >= kv_len[:, None])[..., None, None]
+    k, v = jnp.where(past, jnp.nan, k), jnp.where(past, jnp.inf, v)
+    bias, mask = _bias(16, (1, N, T, S)), _mask(17, (3, 1, T, S))
+    segments = jnp.asarray(np.repeat([[0] * 30 + [1] * 18], 3, axis=0), jnp.int32)
+    kw = dict(is_causal=True, logits_soft_cap=4.0, key_value_seq_lengths=kv_len,
+              q_segment_ids=segments[:, :T], kv_segment_ids=segments)
+
+    def call(implementation, **extra):
+        def attention(q, k, v, bias, mask, **kw):
+            return pallas_kernels.dot_product_attention(
+                q, k, v, bias, mask, implementation=implementation, **extra, **kw)
+        return _grads(attention, q, k, v, bias, mask, kw)
+
+    ours, reference = call("pallas", block_sizes=SMALL), call("xla")
+    for label, x, ref in zip(("out", "dq", "dk", "dv", "dbias"), (ours[0], *ours[1]),
+                             (reference[0], *reference[1]), strict=True):
+        x, ref = np.asarray(x), np.asarray(ref)
+        if label in ("dk", "dv"):
+            x, ref = x[~past[..., 0, 0]], ref[~past[..., 0, 0]]
+        assert np.all(np.isfinite(x)), label
+        np.testing.assert_allclose(x, ref, rtol=2e-5, atol=2e-5, err_msg=label)
+
+
 def test_positional_and_keyword_calls_agree():
     """jax.nn's call forms: bias and mask by position or by name, keywords in any order."""
     q, k, v = _inputs(0)
