@@ -13,17 +13,16 @@ keeps the compiled program, whose decode loop body lists the kernels a step laun
 """
 import argparse
 import collections
-import glob
 import json
 import os
 import re
 import statistics
-import tempfile
 import time
 
 import jax
 from flax import nnx
 
+from benchmarks import _profile
 from flax_layers import HybridLM, HybridLMConfig
 
 
@@ -39,27 +38,6 @@ def seconds(model, prompt, new, kv_dtype):
         call()
         times.append(time.perf_counter() - start)
     return statistics.median(times), call
-
-
-def kernel_events(trace_dir):
-    """(name, start_ns, duration_ns) of every event on the GPU planes' stream lines, and the
-    trace's planes and lines with their event counts (what to look at when there are none:
-    without CUPTI the trace has no GPU plane)."""
-    from jax._src.lib import _profile_data
-
-    path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
-    data = _profile_data.ProfileData.from_file(path)
-    events = []
-    planes = {plane.name: {line.name: len(list(line.events)) for line in plane.lines}
-              for plane in data.planes}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
-                continue
-            events += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
-    return sorted(events, key=lambda e: e[1]), planes
 
 
 def family(name):
@@ -86,11 +64,7 @@ def main():
     row = dict(flags=os.environ.get("XLA_FLAGS", ""), batch=args.batch, prompt=args.prompt,
                new=args.new, kv_dtype=args.kv_dtype, prefill_ms=1e3 * prefill_s,
                full_ms=1e3 * full_s, step_ms=1e3 * (full_s - prefill_s) / steps)
-    with tempfile.TemporaryDirectory() as trace_dir:
-        jax.profiler.start_trace(trace_dir)
-        call()
-        jax.profiler.stop_trace()
-        events, planes = kernel_events(trace_dir)
+    events, planes = _profile.kernel_events(call)
     if not events:
         row["trace_planes"] = planes
     else:

@@ -1,0 +1,169 @@
+"""The HybridLM train step where users run it: `examples/train_hybrid_lm.py`'s step (AdamW after
+global-norm clipping, bf16 compute, next-token loss), timed at issue 28's shapes.
+
+For each run and implementation: compile time, step time (median of `--steps` steps after two
+warm-up steps, each synced), tokens/s, MFU (the example's `model_flops_per_token` over the
+device's peak, `_device.peak_flops`) and peak device memory. `--profile` traces one more step
+and sums its GPU kernels by class (attention kernels, SSD kernels, matmuls, reductions, layout
+copies, other fusions): the share of the step each class takes.
+
+    python -m benchmarks.model --out-dir "$OUT" --tag h200 [--profile] [--impls pallas,xla]
+
+Runs (RUNS): the zamba2-like 1.1B model at B 4 x T 4096 and B 1 x T 16384, the small preset at
+B 32 x T 512. "xla" runs the pure-jnp references (quadratic attention; at the 1.1B shape issue
+28 measured it asking for 196 GiB): an out-of-memory is recorded as the run's error.
+
+CPU smoke test (the tiny preset, interpret mode):
+
+    JAX_PLATFORMS=cpu python -m benchmarks.model --quick --tag smoke --out-dir /tmp/model
+"""
+
+import argparse
+import collections
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from benchmarks import _profile, _timing
+from flax_layers import HybridLM, HybridLMConfig
+from pallas_kernels import _device
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import train_hybrid_lm as trainer  # noqa: E402  (the example's step, as users run it)
+
+# (preset, batch rows, tokens per row)
+RUNS = [("zamba2-1.2b", 4, 4096), ("zamba2-1.2b", 1, 16384), ("small", 32, 512)]
+QUICK_RUNS = [("tiny", 2, 64)]
+IMPLS = ("pallas", "xla")
+# Kernel name patterns, first match wins: what each GPU kernel of a step counts as.
+KERNEL_CLASSES = [
+    ("attention kernels", r"flash_attention"),
+    ("SSD kernels", r"^ssd_"),
+    ("matmuls", r"gemm|cublas|cutlass|xmma|matmul|dot"),
+    ("reductions (norms, softmax, loss)", r"reduce"),
+    ("layout copies", r"copy|transpose"),
+    ("other fusions", r""),
+]
+
+
+def kernel_class(name):
+    return next(label for label, pattern in KERNEL_CLASSES if re.search(pattern, name))
+
+
+def measure(run, implementation, opts):
+    """One run's record: compile_s, step_ms (median), tokens_per_s, mfu, peak_bytes and, with
+    `opts.profile`, the step's GPU time by kernel class."""
+    preset, batch, seq_len = run
+    config = HybridLMConfig.preset(preset, dtype=jnp.bfloat16, implementation=implementation)
+    graphdef, params = nnx.split(HybridLM(config, rngs=nnx.Rngs(0)))
+    tx, _ = trainer.make_optimizer(3e-4, 10, 1000, 0.1, 1.0)
+    opt_state = jax.jit(tx.init)(params)
+    train_step, _ = trainer.make_steps(graphdef, tx)
+    data = jax.random.randint(jax.random.key(1), (batch, seq_len + 1), 0, config.vocab_size)
+    flops_per_token = trainer.model_flops_per_token(config, params, seq_len)
+    start = time.perf_counter()
+    step = train_step.lower(params, opt_state, data).compile()
+    compile_s = time.perf_counter() - start
+
+    def one_step():
+        nonlocal params, opt_state
+        params, opt_state, loss = step(params, opt_state, data)
+        return loss.block_until_ready()
+
+    for _ in range(2):
+        one_step()
+    times = []
+    for _ in range(opts.steps):
+        start = time.perf_counter()
+        one_step()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    device = jax.devices()[0]
+    peak = _device.peak_flops(device.device_kind)
+    tokens_per_s = batch * seq_len / seconds
+    record = dict(
+        compile_s=compile_s, step_ms=1e3 * seconds, step_ms_min=1e3 * min(times),
+        step_ms_max=1e3 * max(times), tokens_per_s=tokens_per_s,
+        flops_per_token=flops_per_token,
+        mfu=None if peak is None else tokens_per_s * flops_per_token / peak,
+        peak_bytes=(device.memory_stats() or {}).get("peak_bytes_in_use"))
+    if opts.profile:
+        events, planes = _profile.kernel_events(one_step)
+        if not events:
+            record["trace_planes"] = planes
+        busy = collections.Counter()
+        for name, _, duration in events:
+            busy[kernel_class(name)] += duration
+        total = sum(busy.values())
+        record["kernels"] = len(events)
+        record["kernel_ms"] = total / 1e6
+        record["classes"] = {label: dict(ms=ns / 1e6, share=ns / total)
+                             for label, ns in busy.most_common()} if total else {}
+    return record
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.model",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impls", type=lambda s: s.split(","), default=["pallas"],
+                        help=f"of {','.join(IMPLS)} (default: pallas)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace one more step and sum its kernels by class")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke test: {QUICK_RUNS} (preset, batch, tokens), 2 steps")
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--tag", required=True)
+    opts = parser.parse_args(argv)
+    unknown = sorted(set(opts.impls) - set(IMPLS))
+    if unknown:
+        parser.error(f"unknown --impls: {','.join(unknown)}")
+    if opts.quick:
+        opts.steps = min(opts.steps, 2)
+    records = []
+    for run in QUICK_RUNS if opts.quick else RUNS:
+        for implementation in opts.impls:
+            label = f"{run[0]} B{run[1]} T{run[2]} {implementation}"
+            record = dict(label=label, preset=run[0], batch=run[1], seq_len=run[2],
+                          implementation=implementation)
+            try:
+                record.update(measure(run, implementation, opts), status="ok")
+            except Exception as error:  # noqa: BLE001 - an OOM or a failure is a result too
+                record.update(status="error", error=f"{type(error).__name__}: {error}"[:500])
+            records.append(record)
+            print(label + ": " + (
+                f"{record['step_ms']:.1f} ms, {record['tokens_per_s']:,.0f} tokens/s, MFU "
+                + ("n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%")
+                + f", compile {record['compile_s']:.0f} s"
+                if record["status"] == "ok" else record["error"]), flush=True)
+    stem = f"{opts.out_dir}/model_{opts.tag}"
+    Path(opts.out_dir).mkdir(parents=True, exist_ok=True)
+    _timing.write_json(stem + ".json", dict(
+        environment=_timing.environment_info("benchmarks.model"), records=records))
+    rows = [[r["label"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
+             "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", f"{r['compile_s']:.0f}",
+             "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"]
+            if r["status"] == "ok" else [r["label"], "error", "", "", "", ""] for r in records]
+    print(_timing.format_table(["run", "step ms", "tokens/s", "MFU", "compile s", "peak GiB"],
+                               rows))
+    profiled = [r for r in records if r.get("classes")]
+    if profiled:
+        labels = [label for label, _ in KERNEL_CLASSES]
+        _timing.save_grouped_bar_plot(
+            stem + ".png", [r["label"] for r in profiled],
+            [("share of the step's kernel time",
+              {label: [r["classes"].get(label, {}).get("share", 0.0) for r in profiled]
+               for label in labels})],
+            ylabel="share", title="HybridLM train step: GPU kernel time by class")
+        for r in profiled:
+            print(r["label"], {k: f"{100 * v['share']:.1f}%" for k, v in r["classes"].items()})
+
+
+if __name__ == "__main__":
+    main()
