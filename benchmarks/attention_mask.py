@@ -28,9 +28,9 @@ BATCH, HEADS, HEAD_DIM, LENGTH = 2, 16, 128, 8192
 
 def cases(length):
     """name -> (baseline name or None, keywords of the call, differentiate the bias). The
-    causal-equal mask is a constant of the step (concrete: its block table is built on the
-    host); the random per-row mask, like the bias, is an argument of the jitted step (traced:
-    a batch's mask), not a 2 GB constant folded into the executable."""
+    causal-equal mask is a constant of the step (a program's fixed mask); the random per-row
+    mask, like the bias, is an argument of the jitted step (a batch's mask), not a 2 GB
+    constant folded into the executable."""
     rng = np.random.default_rng(0)
     causal = np.tril(np.ones((length, length), bool))[None, None]
     keep = rng.random((BATCH, HEADS, length, length), dtype=np.float32) < 0.9

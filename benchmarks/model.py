@@ -3,9 +3,10 @@ global-norm clipping, bf16 compute, next-token loss), timed at issue 28's shapes
 
 For each run and implementation: compile time, step time (median of `--steps` steps after two
 warm-up steps, each synced), tokens/s, MFU (the example's `model_flops_per_token` over the
-device's peak, `_device.peak_flops`) and peak device memory. `--profile` traces one more step
-and sums its GPU kernels by class (attention kernels, SSD kernels, matmuls, reductions, layout
-copies, other fusions): the share of the step each class takes.
+device's peak, `_device.peak_flops`) and the compiled step's peak memory (XLA's buffer
+assignment, so that runs in one process do not read each other's peaks). `--profile` traces
+one more step and sums its GPU kernels by class (attention kernels, SSD kernels, matmuls,
+reductions, layout copies, other fusions): the share of the step each class takes.
 
     python -m benchmarks.model --out-dir "$OUT" --tag h200 [--profile] [--impls pallas,xla]
 
@@ -57,7 +58,8 @@ def kernel_class(name):
 
 
 def measure(run, implementation, opts):
-    """One run's record: compile_s, step_ms (median), tokens_per_s, mfu, peak_bytes and, with
+    """One run's record: compile_s, step_ms (median), tokens_per_s, mfu, peak_bytes (the
+    compiled step's) and, with
     `opts.profile`, the step's GPU time by kernel class."""
     preset, batch, seq_len = run
     config = HybridLMConfig.preset(preset, dtype=jnp.bfloat16, implementation=implementation)
@@ -84,15 +86,14 @@ def measure(run, implementation, opts):
         one_step()
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
-    device = jax.devices()[0]
-    peak = _device.peak_flops(device.device_kind)
+    peak = _device.peak_flops(jax.devices()[0].device_kind)
     tokens_per_s = batch * seq_len / seconds
     record = dict(
         compile_s=compile_s, step_ms=1e3 * seconds, step_ms_min=1e3 * min(times),
         step_ms_max=1e3 * max(times), tokens_per_s=tokens_per_s,
         flops_per_token=flops_per_token,
         mfu=None if peak is None else tokens_per_s * flops_per_token / peak,
-        peak_bytes=(device.memory_stats() or {}).get("peak_bytes_in_use"))
+        peak_bytes=step.memory_analysis().peak_memory_in_bytes)
     if opts.profile:
         events, planes = _profile.kernel_events(one_step)
         if not events:
@@ -148,7 +149,7 @@ def main(argv=None):
         environment=_timing.environment_info("benchmarks.model"), records=records))
     rows = [[r["label"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
              "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", f"{r['compile_s']:.0f}",
-             "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"]
+             f"{r['peak_bytes'] / 2**30:.1f}"]
             if r["status"] == "ok" else [r["label"], "error", "", "", "", ""] for r in records]
     print(_timing.format_table(["run", "step ms", "tokens/s", "MFU", "compile s", "peak GiB"],
                                rows))
