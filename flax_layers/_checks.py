@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import IMPLEMENTATIONS
+from pallas_kernels.arguments import known_value
 
 
 def check_sizes(**sizes):
@@ -80,3 +81,33 @@ def check_precision(precision):
     except (TypeError, ValueError) as error:
         raise ValueError(f"precision must be None, a jax.lax.Precision (or its name), a pair "
                          f"of them or a dot algorithm, got {precision!r}") from error
+
+
+def check_tokens(name, tokens, vocab_size):
+    """tokens must be a (B, T) integer array with B, T >= 1 and, where their values are known
+    (eagerly), ids in [0, vocab_size)."""
+    if not (hasattr(tokens, "dtype") and jnp.issubdtype(tokens.dtype, jnp.integer)):
+        raise TypeError(f"{name} must be an integer array, got "
+                        f"{getattr(tokens, 'dtype', type(tokens).__name__)}")
+    if tokens.ndim != 2 or 0 in tokens.shape:
+        raise ValueError(f"{name} must be a (batch, length) array with at least one token per "
+                         f"row, got shape {tokens.shape}")
+    ids = known_value(tokens)
+    if ids is not None:
+        outside = ids[(ids < 0) | (ids >= vocab_size)]
+        if outside.size:
+            raise ValueError(f"{name} must lie in [0, {vocab_size}) (the vocabulary), got "
+                             f"{outside[0]}")
+
+
+def check_lengths(lengths, batch, t, *, name="lengths", minimum=0):
+    """(B,) integers in [minimum, t] (values checked where known, eagerly) as int32."""
+    if not (hasattr(lengths, "dtype") and jnp.issubdtype(lengths.dtype, jnp.integer)):
+        raise TypeError(f"{name} must be an integer array, got "
+                        f"{getattr(lengths, 'dtype', type(lengths).__name__)}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},), got {lengths.shape}")
+    known = known_value(lengths)
+    if known is not None and ((known < minimum) | (known > t)).any():
+        raise ValueError(f"{name} must lie in [{minimum}, {t}], got {known.tolist()}")
+    return jnp.asarray(lengths, jnp.int32)

@@ -225,12 +225,14 @@ class FlashMultiHeadAttention(nnx.Module):
     QK normalisation are not offered (the kernels have no dropout).
 
     `__call__(inputs_q (B, T, F), inputs_kv=None, *, q_segment_ids=None, kv_segment_ids=None,
-    decode=None)` returns (B, T, out_features). With `decode=True` (after `init_cache`) each call
-    takes the next tokens (self-attention, no segment ids), appends their keys and values to the
-    cache and attends over the filled part, continuing the positions where the last call
-    stopped; `attend_cached` says what happens to tokens that do not fit. A call with `decode`
-    False never touches the cache; `decode=None` takes the layer's `decode` (the
-    constructor's, or `nnx.view(layer, decode=...)`'s).
+    decode=None, adapter_outputs=None)` returns (B, T, out_features); `adapter_outputs`
+    (query, key, value) are added to the projections before the rotary embedding (the
+    outputs of per-use low-rank adapters of a shared layer, as Zamba2's). With `decode=True`
+    (after `init_cache`) each call takes the next tokens (self-attention, no segment ids),
+    appends their keys and values to the cache and attends over the filled part, continuing the
+    positions where the last call stopped; `attend_cached` says what happens to tokens that do
+    not fit. A call with `decode` False never touches the cache; `decode=None` takes the
+    layer's `decode` (the constructor's, or `nnx.view(layer, decode=...)`'s).
     """
 
     def __init__(
@@ -349,11 +351,16 @@ class FlashMultiHeadAttention(nnx.Module):
     def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
                  q_segment_ids: jax.Array | None = None,
                  kv_segment_ids: jax.Array | None = None,
-                 decode: bool | None = None) -> jax.Array:
+                 decode: bool | None = None,
+                 adapter_outputs: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                 ) -> jax.Array:
         if self.decode if decode is None else decode:
+            if adapter_outputs is not None:
+                raise ValueError("adapter_outputs is for a forward or attend_cached, not the "
+                                 "module's own decode cache")
             return self._decode(inputs_q, inputs_kv, q_segment_ids, kv_segment_ids)
         inputs_kv = inputs_q if inputs_kv is None else inputs_kv
-        query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv)
+        query, key, value = self._project(inputs_q, inputs_kv, adapter_outputs)
         if self.rope_theta is not None:
             query = rotary_embedding(query, self._positions(inputs_q, q_segment_ids),
                                      self.rope_theta)
@@ -367,6 +374,24 @@ class FlashMultiHeadAttention(nnx.Module):
             sequence_order=self.sequence_order,
         )
         return self.out(out, out_sharding=token_features(inputs_q))
+
+    def _project(self, inputs_q, inputs_kv, adapter_outputs):
+        """The query (B, T, N, H), key and value (B, S, K, H) projections, each plus its
+        `adapter_outputs` entry (the same shape, or flat over heads x head_dim) where given."""
+        projections = [self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv)]
+        if adapter_outputs is None:
+            return projections
+        if len(adapter_outputs) != 3:
+            raise ValueError(f"adapter_outputs must be (query, key, value) additions, got "
+                             f"{len(adapter_outputs)} arrays")
+        for name, projection, extra in zip(("query", "key", "value"), projections,
+                                           adapter_outputs, strict=True):
+            if extra.shape not in (projection.shape, (*projection.shape[:-2],
+                                                      projection.shape[-2] * projection.shape[-1])):
+                raise ValueError(f"adapter_outputs' {name} has shape {extra.shape}; the {name} "
+                                 f"projection has {projection.shape}")
+        return [projection + extra.reshape(projection.shape).astype(projection.dtype)
+                for projection, extra in zip(projections, adapter_outputs, strict=True)]
 
     def _decode(self, inputs, inputs_kv, q_segment_ids, kv_segment_ids):
         """`attend_cached` on the module's own cache, which it updates."""
@@ -389,8 +414,9 @@ class FlashMultiHeadAttention(nnx.Module):
         return jnp.broadcast_to(positions, inputs.shape[:2])
 
     def attend_cached(self, inputs: jax.Array, cache: KVCache, *,
-                      new_lengths: jax.Array | None = None,
-                      fresh: bool = False) -> tuple[jax.Array, KVCache]:
+                      new_lengths: jax.Array | None = None, fresh: bool = False,
+                      adapter_outputs: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                      ) -> tuple[jax.Array, KVCache]:
         """Self-attention of new tokens (B, n, F) that continue `cache`: writes their keys and
         values after each row's filled positions (`pallas_kernels.update_kv_cache`, which
         quantises for 8-bit caches) and attends over the row's keys up to each token
@@ -421,7 +447,7 @@ class FlashMultiHeadAttention(nnx.Module):
         cache.check_fits(batch, new)
         real = (jnp.full((batch,), new, jnp.int32) if new_lengths is None
                 else jnp.clip(new_lengths, 0, new))
-        query, key, value = self.query(inputs), self.key(inputs), self.value(inputs)
+        query, key, value = self._project(inputs, inputs, adapter_outputs)
         if self.rope_theta is not None:
             positions = cache.lengths[:, None] + jnp.arange(new, dtype=jnp.int32)
             query = rotary_embedding(query, positions, self.rope_theta)

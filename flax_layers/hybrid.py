@@ -1,19 +1,20 @@
 """A Zamba2-style hybrid language model: Mamba2 blocks and one shared attention + MLP block."""
 
 import dataclasses
-import functools
-import math
-import numbers
-from collections.abc import Sequence
 from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.typing import ArrayLike, DTypeLike
+from jax.typing import DTypeLike
 
-from flax_layers._checks import check_dtypes, check_implementation, check_sizes
+from flax_layers._checks import (
+    check_dtypes,
+    check_implementation,
+    check_lengths,
+    check_sizes,
+    check_tokens,
+)
 from flax_layers._sharding import (
     logical,
     reorder_sequence,
@@ -21,6 +22,7 @@ from flax_layers._sharding import (
     token_features,
 )
 from flax_layers.attention import FlashMultiHeadAttention, KVCacheSlot, check_heads
+from flax_layers.generation import CausalLM
 from flax_layers.mamba2 import Mamba2, mixer_shape
 from pallas_kernels import arguments
 
@@ -151,7 +153,7 @@ class _SharedBlock(nnx.Module):
         return h + self.down(hidden, out_sharding=token_features(h)), cache
 
 
-class HybridLM(nnx.Module):
+class HybridLM(CausalLM):
     """Token embedding -> Mamba2 blocks (pre-norm residual), with one shared attention + MLP
     block (shared weights) after every `shared_every` of them -> RMSNorm -> tied LM head.
 
@@ -212,13 +214,13 @@ class HybridLM(nnx.Module):
         block's attention runs the FlashAttention kernel over the prompt itself; with
         `logits_at` (B,) only the logits at those positions, (B, 1, V) (a prefill needs the
         last prompt token's: the (B, T, V) logits of a long prompt are large)."""
-        _check_tokens("tokens", tokens, self.config.vocab_size)
+        check_tokens("tokens", tokens, self.config.vocab_size)
         if decode:
             self._check_decode(*tokens.shape, segment_ids)
         if lengths is not None:
             if not decode:
                 raise ValueError("lengths is for decode=True (a forward takes segment_ids)")
-            lengths = _check_lengths(lengths, *tokens.shape)
+            lengths = check_lengths(lengths, *tokens.shape)
         in_vocab = (tokens >= 0) & (tokens < self.config.vocab_size)  # (B, T)
         embeddings = self.embed(jnp.where(in_vocab, tokens, 0),
                                 out_sharding=token_features(tokens))
@@ -262,276 +264,3 @@ class HybridLM(nnx.Module):
             block.mixer.check_cache(batch)
         for slot in self.kv_caches:
             slot.get().check_fits(batch, new)
-
-    def generate(
-        self,
-        prompt_tokens: jax.Array,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        rng: jax.Array,
-        prompt_lengths: jax.Array | None = None,
-        stop_tokens: Sequence[int] | ArrayLike | None = None,
-        kv_dtype: DTypeLike | None = None,
-        page_size: int | None = None,
-    ) -> jax.Array:
-        """Samples up to `max_new_tokens` after each row's prompt, in one compiled call: the
-        prompts run through the model once (the prefill: FlashAttention and the chunked SSD,
-        writing the KV caches, conv and SSM states), then a `lax.while_loop` decodes a token per
-        row per step through the cached attention kernel and `selective_state_update`,
-        sampling inside the loop. The caches live inside the call (sized prompt + new tokens)
-        and are updated in place; the model itself is not changed.
-
-        Args:
-          prompt_tokens: (B, T) integers in [0, vocab_size), T >= 1.
-          max_new_tokens: an int >= 0.
-          temperature: a finite number >= 0; 0 takes the most likely token.
-          top_k: None or an int >= 1: sample among the k most likely tokens (and those tied
-            with the k-th).
-          top_p: None or a number in (0, 1]: sample among the most likely tokens whose
-            probabilities sum to at least p (nucleus sampling).
-          rng: a PRNG key (`jax.random.key` or a legacy uint32 (2,) key).
-          prompt_lengths: (B,) integers in [1, T]: each row's prompt is its first
-            prompt_lengths[b] tokens (the rest is padding). Default: all T.
-          stop_tokens: None or a sequence of token ids: a row that samples one stops; its later
-            positions repeat that token. The loop ends when every row has stopped.
-          kv_dtype, page_size: the KV caches' storage (see `init_cache`).
-
-        Returns:
-          (B, max_new_tokens) int32. Each argument is checked first (TypeError or ValueError
-          naming it); with max_new_tokens 0 nothing else happens.
-        """
-        _check_generate(prompt_tokens, max_new_tokens, temperature, rng, self.config.vocab_size)
-        batch, t = prompt_tokens.shape
-        sampling = _check_sampling(top_k, top_p, stop_tokens, self.config.vocab_size)
-        lengths = (jnp.full((batch,), t, jnp.int32) if prompt_lengths is None
-                   else _check_lengths(prompt_lengths, batch, t, name="prompt_lengths",
-                                       minimum=1))
-        if max_new_tokens == 0:
-            return jnp.zeros((batch, 0), jnp.int32)
-        graphdef, state = nnx.split(self)
-        return _generate(graphdef, state, prompt_tokens, lengths, rng, jnp.float32(temperature),
-                         jnp.float32(1.0 if top_p is None else top_p),
-                         jnp.asarray(sampling.stop_tokens, jnp.int32),
-                         max_new_tokens=max_new_tokens, greedy=temperature == 0,
-                         top_k=top_k, nucleus=top_p is not None,
-                         kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name,
-                         page_size=page_size, prefill_rows=_prefill_rows(batch, t))
-
-
-# A prefill runs its prompts in groups of rows of at most this many tokens, one group after
-# the other: its activations grow with the tokens (at the zamba2-like 1.1B shape, B 64 x 7680
-# prompt tokens at once asked XLA for 322 GiB), the caches only with the rows.
-PREFILL_TOKENS = 32768
-
-
-def _prefill_rows(batch, t):
-    """Rows per prefill group: the largest divisor of `batch` whose rows hold at most
-    PREFILL_TOKENS tokens (at least one row)."""
-    return max((r for r in range(1, batch + 1) if batch % r == 0 and r * t <= PREFILL_TOKENS),
-               default=1)
-
-
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=(
-    "max_new_tokens", "greedy", "top_k", "nucleus", "kv_dtype", "page_size", "prefill_rows"))
-def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_tokens, *,
-              max_new_tokens, greedy, top_k, nucleus, kv_dtype, page_size, prefill_rows):
-    """`HybridLM.generate`: the prefill (in groups of `prefill_rows` rows, `_prefill`) and its
-    token, then the decode loop (a `lax.while_loop` whose carry holds the caches, so XLA
-    updates them in place), each step a forward of the last token and a sample."""
-    state = _weights_in(state, nnx.merge(graphdef, state).config.dtype)
-    model = nnx.merge(graphdef, state)
-    batch, t = prompt.shape
-    cache_options = dict(max_length=t + max_new_tokens - 1, kv_dtype=kv_dtype,
-                         page_size=page_size)
-    model.init_cache(batch, **cache_options)
-    if prefill_rows == batch:
-        logits = model._forward(prompt, None, True, lengths, fresh=True, logits_at=lengths - 1)
-    else:
-        logits, caches = _prefill(graphdef, state, prompt, lengths, prefill_rows, cache_options)
-        nnx.update(model, _merge_groups(nnx.state(model, nnx.Cache), caches))
-    step_graph, caches, rest = nnx.split(model, nnx.Cache, ...)
-    keys = jax.random.split(rng, max_new_tokens)
-
-    def sample(logits, key):
-        if greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logits = logits - jnp.max(logits, axis=-1, keepdims=True)  # no overflow at small T
-        return sample_token(logits / temperature, key, top_k=top_k,
-                            top_p=top_p if nucleus else None)
-
-    def stops(token):
-        return jnp.any(token[:, None] == stop_tokens[None, :], axis=1)
-
-    first = sample(logits[:, 0], keys[0])
-    # Initial values derived from the prompt carry its sharding (a batch-sharded mesh).
-    tokens = jnp.repeat(jnp.zeros_like(prompt[:, :1]), max_new_tokens, axis=1).at[:, 0].set(first)
-
-    def unfinished(carry):
-        i, _, _, done, _ = carry
-        return (i < max_new_tokens) & ~jnp.all(done)
-
-    def step(carry):
-        i, caches, tokens, done, last = carry
-        decoder = nnx.merge(step_graph, caches, rest)
-        logits = decoder(last[:, None], decode=True)[:, 0]
-        token = jnp.where(done, last, sample(logits, keys[i]))
-        return (i + 1, nnx.state(decoder, nnx.Cache), tokens.at[:, i].set(token),
-                done | stops(token), token)
-
-    start = (jnp.int32(1), caches, tokens, stops(first), first)
-    i, _, tokens, _, last = jax.lax.while_loop(unfinished, step, start)
-    # Every row stopped before the end: the positions not reached repeat its last token.
-    return jnp.where(jnp.arange(max_new_tokens) < i, tokens, last[:, None])
-
-
-def _weights_in(state, dtype):
-    """`state` with its matmul weights (the Linear kernels and the embedding table) cast to
-    the compute `dtype` (None: as they are) once, as every layer casts them at each use (the
-    same values). Inside the decode loop XLA on GPU does not hoist those casts: at the 1.1B
-    shape each step converted 6 GB of float32 weights (4.2 ms of a 4.2 ms step on an H100)."""
-    if dtype is None:
-        return state
-
-    def cast(path, leaf):
-        names = [key.key for key in path if isinstance(key, jax.tree_util.DictKey)]
-        if names and names[-1] in ("kernel", "embedding") and jnp.issubdtype(leaf.dtype,
-                                                                               jnp.floating):
-            return leaf.astype(dtype)
-        return leaf
-
-    return jax.tree_util.tree_map_with_path(cast, state)
-
-
-def _prefill(graphdef, state, prompt, lengths, rows, cache_options):
-    """The prefill of `rows` rows at a time (`lax.map`: one group after the other): the logits
-    at each row's last prompt token (B, 1, V) and the caches, each leaf stacked over the
-    groups (groups, ...) as a group's model holds it."""
-
-    def group(arrays):
-        prompt, lengths = arrays
-        model = nnx.merge(graphdef, state)
-        model.init_cache(rows, **cache_options)
-        logits = model._forward(prompt, None, True, lengths, fresh=True, logits_at=lengths - 1)
-        return logits, nnx.state(model, nnx.Cache)
-
-    groups = prompt.shape[0] // rows
-    logits, caches = jax.lax.map(group, (prompt.reshape(groups, rows, -1),
-                                         lengths.reshape(groups, rows)))
-    return logits.reshape(-1, *logits.shape[2:]), caches
-
-
-def _merge_groups(full, grouped):
-    """The whole batch's caches from `_prefill`'s groups: each leaf's groups laid end to end
-    along its first axis (rows, or pages: each row owns a run of pages in row order), so
-    `full` (the whole batch's empty caches) gives the shapes; the paged caches' block tables
-    stay `full`'s."""
-    def merge(path, whole, groups):
-        if "block_table" in jax.tree_util.keystr(path):
-            return whole
-        return groups.reshape(whole.shape)
-
-    return jax.tree_util.tree_map_with_path(merge, full, grouped)
-
-
-def sample_token(logits: jax.Array, key: jax.Array, *, top_k: int | None = None,
-                 top_p: float | jax.Array | None = None) -> jax.Array:
-    """A token per row (B,) int32 from logits (B, V) (already divided by the temperature),
-    among the `top_k` most likely (with every token tied with the k-th) and, with `top_p`, the
-    smallest set of most likely tokens whose probabilities reach top_p (the most likely always
-    stays)."""
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits >= kth, logits, -jnp.inf)
-    if top_p is not None:
-        order = jnp.argsort(-logits, axis=-1)
-        ordered = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-        kept = jnp.where(before < top_p, ordered, -jnp.inf)
-        logits = jnp.full_like(logits, -jnp.inf).at[
-            jnp.arange(logits.shape[0])[:, None], order].set(kept)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
-# ---------------------------------------------------------------------------------------------
-# Argument checks (the config's are in `HybridLMConfig.__post_init__`, with the layers'
-# shared ones): TypeError or ValueError naming the argument.
-
-
-def _check_tokens(name, tokens, vocab_size):
-    """tokens must be a (B, T) integer array with B, T >= 1 and, where their values are known
-    (eagerly), ids in [0, vocab_size)."""
-    if not (hasattr(tokens, "dtype") and jnp.issubdtype(tokens.dtype, jnp.integer)):
-        raise TypeError(f"{name} must be an integer array, got "
-                        f"{getattr(tokens, 'dtype', type(tokens).__name__)}")
-    if tokens.ndim != 2 or 0 in tokens.shape:
-        raise ValueError(f"{name} must be a (batch, length) array with at least one token per "
-                         f"row, got shape {tokens.shape}")
-    ids = arguments.known_value(tokens)
-    if ids is not None:
-        outside = ids[(ids < 0) | (ids >= vocab_size)]
-        if outside.size:
-            raise ValueError(f"{name} must lie in [0, {vocab_size}) (the vocabulary), got "
-                             f"{outside[0]}")
-
-
-def _check_generate(prompt_tokens, max_new_tokens, temperature, rng, vocab_size):
-    """`generate`'s arguments, as its docstring gives them."""
-    _check_tokens("prompt_tokens", prompt_tokens, vocab_size)
-    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens,
-                                                                      bool | np.bool_):
-        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool | np.bool_):
-        raise TypeError(f"temperature must be a number, got {temperature!r}")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    if not _is_key(rng):
-        raise TypeError(f"rng must be a PRNG key (jax.random.key(seed)), got {rng!r}")
-
-
-def _is_key(rng):
-    """A typed PRNG key of shape (), or a legacy uint32 (2,) key."""
-    if not isinstance(rng, jax.Array):
-        return False
-    if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        return rng.shape == ()
-    return rng.dtype == jnp.uint32 and rng.shape == (2,)
-
-
-def _check_lengths(lengths, batch, t, *, name="lengths", minimum=0):
-    """(B,) integers in [minimum, t] (values checked where known, eagerly) as int32."""
-    if not (hasattr(lengths, "dtype") and jnp.issubdtype(lengths.dtype, jnp.integer)):
-        raise TypeError(f"{name} must be an integer array, got "
-                        f"{getattr(lengths, 'dtype', type(lengths).__name__)}")
-    if lengths.shape != (batch,):
-        raise ValueError(f"{name} must have shape ({batch},), got {lengths.shape}")
-    known = arguments.known_value(lengths)
-    if known is not None and ((known < minimum) | (known > t)).any():
-        raise ValueError(f"{name} must lie in [{minimum}, {t}], got {known.tolist()}")
-    return jnp.asarray(lengths, jnp.int32)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sampling:
-    stop_tokens: tuple
-
-
-def _check_sampling(top_k, top_p, stop_tokens, vocab_size):
-    """`generate`'s top_k (None or an int >= 1), top_p (None or a number in (0, 1]) and
-    stop_tokens (None or token ids in [0, vocab_size))."""
-    if top_k is not None and (not isinstance(top_k, numbers.Integral)
-                              or isinstance(top_k, bool | np.bool_) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and (not isinstance(top_p, numbers.Real)
-                              or isinstance(top_p, bool | np.bool_) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
-    stops = () if stop_tokens is None else tuple(int(x) for x in np.asarray(stop_tokens).ravel())
-    outside = [x for x in stops if not 0 <= x < vocab_size]
-    if outside:
-        raise ValueError(f"stop_tokens must lie in [0, {vocab_size}), got {outside[0]}")
-    return _Sampling(stops)

@@ -47,10 +47,10 @@ class Mamba2(nnx.Module):
     uniform in +-conv_init where given, else PyTorch's default); A = -exp(A_log); dt_bias at the
     inverse softplus of a log-uniform dt in [dt_min, dt_max] (floored at dt_init_floor); the SSD
     kernel with dt_softplus on x, of d_ssm channels (default d_inner = expand * d_model); a
-    gated RMSNorm over groups of d_ssm / ngroups channels (y * silu(z) then the norm, or the
-    reverse with `norm_before_gate`); where d_ssm < d_inner, the other d_mlp = d_inner - d_ssm
-    channels are a gated MLP, silu(z0) * x0, put before y; out_proj. `layer_idx` only names
-    the layer (mamba_ssm keys its inference caches by it).
+    gated RMSNorm (epsilon `norm_eps`) over groups of d_ssm / ngroups channels (y * silu(z)
+    then the norm, or the reverse with `norm_before_gate`); where d_ssm < d_inner, the other
+    d_mlp = d_inner - d_ssm channels are a gated MLP, silu(z0) * x0, put before y; out_proj.
+    `layer_idx` only names the layer (mamba_ssm keys its inference caches by it).
 
     Every argument is checked at construction (ValueError or TypeError naming it).
 
@@ -86,6 +86,7 @@ class Mamba2(nnx.Module):
         bias: bool = False,
         conv_bias: bool = True,
         chunk_size: int = 256,
+        norm_eps: float = 1e-5,
         layer_idx: int | None = None,
         decode: bool = False,
         dtype: DTypeLike | None = None,
@@ -97,6 +98,8 @@ class Mamba2(nnx.Module):
                                              chunk_size, d_ssm)
         _check_initialisation(A_init_range, dt_min, dt_max, dt_init_floor, conv_init)
         _check_layer_idx(layer_idx)
+        if not (_finite(norm_eps) and norm_eps > 0):
+            raise ValueError(f"norm_eps must be a finite number > 0, got {norm_eps!r}")
         dt_limit = arguments.check_dt_limit(dt_limit)
         check_flags(D_has_hdim=D_has_hdim, rmsnorm=rmsnorm, norm_before_gate=norm_before_gate,
                     conv_bias=conv_bias, bias=bias, decode=decode)
@@ -106,7 +109,7 @@ class Mamba2(nnx.Module):
         self.d_ssm, self.d_mlp = d_ssm, d_inner - d_ssm
         self.headdim, self.nheads, self.ngroups = headdim, nheads, ngroups
         self.chunk_size = int(chunk_size)  # the kernel takes a Python int, not a numpy one
-        self.dt_limit, self.rmsnorm = dt_limit, rmsnorm
+        self.dt_limit, self.rmsnorm, self.norm_eps = dt_limit, rmsnorm, float(norm_eps)
         self.D_has_hdim, self.layer_idx, self.decode = D_has_hdim, layer_idx, decode
         self.norm_before_gate, self.dtype, self.implementation = (
             norm_before_gate, dtype, implementation)
@@ -218,11 +221,11 @@ class Mamba2(nnx.Module):
             if not self.norm_before_gate:
                 y = y * gate
             if self.ngroups == 1:  # no reshape: y may be sharded over heads (a tensor axis)
-                y = y * jax.lax.rsqrt(jnp.mean(y**2, axis=-1, keepdims=True) + 1e-5)
+                y = y * jax.lax.rsqrt(jnp.mean(y**2, axis=-1, keepdims=True) + self.norm_eps)
             else:
                 groups = y.reshape(*y.shape[:-1], self.ngroups, -1)
                 groups = groups * jax.lax.rsqrt(
-                    jnp.mean(groups**2, axis=-1, keepdims=True) + 1e-5)
+                    jnp.mean(groups**2, axis=-1, keepdims=True) + self.norm_eps)
                 y = groups.reshape(y.shape)
             y = y * self.norm_weight[...].astype(jnp.float32)
             if self.norm_before_gate:
@@ -262,19 +265,23 @@ class Mamba2(nnx.Module):
             y, _ = self._scan(z, xbc, dt, history, None, seq_idx, caches=False)
         return self._norm_and_project(y, z, mlp)
 
-    def _scan(self, z, xbc, dt, history, initial_states, seq_idx=None, *, caches=True):
+    def _scan(self, z, xbc, dt, history, initial_states, seq_idx=None, *, caches=True,
+              step_sizes=False):
         """The chunked scan over (B, T, ...) from conv `history` (B, d_conv - 1, C) and
-        `initial_states` (B, H, P, N) or None. Returns (y (B, T, d_ssm), (conv history,
-        SSM state) after the last token, in the histories' and float32), None for the
-        latter unless `caches`."""
+        `initial_states` (B, H, P, N) or None. `dt` is in_proj's (B, T, H), or with
+        `step_sizes` the step sizes themselves (the bias, softplus and limits applied).
+        Returns (y (B, T, d_ssm), (conv history, SSM state) after the last token, in the
+        histories' and float32), None for the latter unless `caches`."""
         x, b, c = self._ssd_inputs(self._conv(xbc, history, seq_idx))
         if not caches:  # training: over a tensor axis the scan runs per head shard (decoding
             x, dt = heads_sharded(x), heads_sharded(dt)  # takes whole parameters)
         y, final = pallas_kernels.mamba_chunk_scan_combined(
             x, dt, -jnp.exp(self.A_log[...]), b, c, self.chunk_size, D=self._d(),
-            z=None if self.rmsnorm else z.reshape(x.shape), dt_bias=self.dt_bias[...],
-            initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True,
-            dt_limit=self.dt_limit, return_final_states=True, implementation=self.implementation,
+            z=None if self.rmsnorm else z.reshape(x.shape),
+            dt_bias=None if step_sizes else self.dt_bias[...], initial_states=initial_states,
+            seq_idx=seq_idx, dt_softplus=not step_sizes,
+            dt_limit=(0.0, float("inf")) if step_sizes else self.dt_limit,
+            return_final_states=True, implementation=self.implementation,
         )
         y = y.reshape(*xbc.shape[:2], self.d_ssm)
         if not caches:
@@ -285,16 +292,15 @@ class Mamba2(nnx.Module):
         """Several tokens (B, T, ...) through the chunked scan from the cached states; with
         `lengths` (B,) only each row's first lengths[b] count: the padding after them gets a
         step size of 0 (decay 1, no input), so the final SSM state is the one after the last
-        real token, and the conv history ends there too."""
+        real token, and the conv history ends there too (the step sizes are computed here,
+        as the scan would, so that a dt_limit above 0 does not lift the padding's)."""
         if lengths is None:
             return self._scan(z, xbc, dt, conv_state, ssm_state)
-        if self.dt_limit[0] > 0:
-            raise ValueError(f"ragged lengths need a step size that can be 0: dt_limit's lower "
-                             f"bound is {self.dt_limit[0]}")
         real = jnp.arange(xbc.shape[1]) < lengths[:, None]  # (B, T)
-        # softplus(-1e4 + dt_bias) is exactly 0: the padding neither decays nor feeds the state.
-        dt = jnp.where(real[..., None], dt, jnp.asarray(-1e4, dt.dtype))
-        y, (_, ssm_state) = self._scan(z, xbc, dt, conv_state, ssm_state)
+        steps = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...]),
+                         *self.dt_limit)
+        steps = jnp.where(real[..., None], steps, 0.0)
+        y, (_, ssm_state) = self._scan(z, xbc, steps, conv_state, ssm_state, step_sizes=True)
         inputs = jnp.concatenate([conv_state, xbc.astype(conv_state.dtype)], axis=1)
         last = lengths[:, None] + jnp.arange(self.d_conv - 1)  # the history after the row's end
         return y, (jnp.take_along_axis(inputs, last[..., None], axis=1), ssm_state)

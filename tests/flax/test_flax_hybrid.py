@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from flax_layers import HybridLM, HybridLMConfig, hybrid
+from flax_layers import HybridLM, HybridLMConfig, generation
 from flax_layers import linen as linen_layers
 
 SMALL = dict(d_model=32, num_layers=2, shared_every=2, num_heads=2, num_kv_heads=1,
@@ -296,14 +296,14 @@ def test_ragged_prompts_generate_what_each_row_generates_alone():
 
 
 def test_a_prefill_in_groups_of_rows_generates_what_one_prefill_does(monkeypatch):
-    """Long prompts prefill a few rows at a time (`hybrid.PREFILL_TOKENS`), and the groups'
+    """Long prompts prefill a few rows at a time (`generation.PREFILL_TOKENS`), and the groups'
     caches (paged, 8-bit with scales; conv and SSM states) join as one prefill's would."""
     model = _small_model()
     prompt = jax.random.randint(jax.random.key(6), (4, 7), 0, 256)
     options = dict(prompt_lengths=jnp.array([7, 2, 5, 6]), kv_dtype="int8", page_size=16)
     whole = _greedy(model, prompt, 5, **options)
-    monkeypatch.setattr(hybrid, "PREFILL_TOKENS", 14)  # groups of 2 rows
-    assert hybrid._prefill_rows(4, 7) == 2
+    monkeypatch.setattr(generation, "PREFILL_TOKENS", 14)  # groups of 2 rows
+    assert generation._prefill_rows(4, 7) == 2
     np.testing.assert_array_equal(_greedy(model, prompt, 5, **options), whole)
 
 
@@ -372,9 +372,9 @@ def test_one_new_token_is_the_prefill_s_and_a_tiny_temperature_is_greedy():
 def test_sample_token_keeps_the_top_k_and_the_nucleus():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 2000))
     keys = jax.random.split(jax.random.key(8), 2)
-    top2 = np.asarray(hybrid.sample_token(logits, keys[0], top_k=2))
+    top2 = np.asarray(generation.sample_token(logits, keys[0], top_k=2))
     assert set(top2) == {0, 1}
-    nucleus = np.asarray(hybrid.sample_token(logits, keys[1], top_p=0.7))  # 0.5 + 0.3 reach it
+    nucleus = np.asarray(generation.sample_token(logits, keys[1], top_p=0.7))  # 0.5 + 0.3 reach it
     assert set(nucleus) == {0, 1} and abs((nucleus == 0).mean() - 0.5 / 0.8) < 0.05
 
 

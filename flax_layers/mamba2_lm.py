@@ -1,0 +1,310 @@
+"""Mamba2 language model (transformers' `Mamba2ForCausalLM`, mamba_ssm's `MambaLMHeadModel` with
+Mamba2 layers) with checkpoint loading and export."""
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any, Self
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import DTypeLike
+
+from flax_layers import _checkpoint_io as io
+from flax_layers._checks import (
+    check_dtypes,
+    check_flags,
+    check_implementation,
+    check_lengths,
+    check_sizes,
+    check_tokens,
+)
+from flax_layers._sharding import logical, token_features
+from flax_layers.generation import CausalLM
+from flax_layers.mamba2 import Mamba2, mixer_shape
+from pallas_kernels import arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2LMConfig:
+    """Sizes of a Mamba2LM, with the names of mamba_ssm's `Mamba2` layer.
+
+    `from_dict` reads transformers' `Mamba2Config` (config.json, model_type "mamba2") or
+    mamba_ssm's config.json; `to_transformers` writes the former. `source` keeps the
+    config.json the model was loaded from (JSON text), so an export keeps its other fields
+    (token ids, ...). Every field is checked on construction (ValueError or TypeError naming
+    it).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 64
+    num_layers: int = 2
+    d_state: int = 128
+    headdim: int = 64
+    ngroups: int = 1
+    expand: int = 2
+    d_conv: int = 4
+    chunk_size: int = 256
+    norm_eps: float = 1e-5  # the block norms' and the gated norm's
+    bias: bool = False  # in_proj's and out_proj's
+    conv_bias: bool = True
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+    residual_in_fp32: bool = True
+    tie_embeddings: bool = False
+    dtype: DTypeLike | None = None
+    implementation: str | None = None
+    source: str | None = None
+
+    def __post_init__(self):
+        check_sizes(vocab_size=self.vocab_size, num_layers=self.num_layers)
+        mixer_shape(self.d_model, self.d_state, self.d_conv, self.expand, self.headdim,
+                    self.ngroups, self.chunk_size)
+        check_flags(bias=self.bias, conv_bias=self.conv_bias,
+                    residual_in_fp32=self.residual_in_fp32, tie_embeddings=self.tie_embeddings)
+        if not (isinstance(self.norm_eps, float | int) and math.isfinite(self.norm_eps)
+                and self.norm_eps > 0):
+            raise ValueError(f"norm_eps must be a finite number > 0, got {self.norm_eps!r}")
+        object.__setattr__(self, "dt_limit", arguments.check_dt_limit(tuple(self.dt_limit)))
+        check_dtypes(dtype=self.dtype)
+        check_implementation(self.implementation)
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], **overrides: Any) -> Self:
+        """From transformers' Mamba2Config dict or mamba_ssm's config.json dict; `overrides`
+        (dtype, implementation, chunk_size, ...) replace fields."""
+        if "ssm_cfg" in config or "n_layer" in config:
+            return cls._from_mamba_ssm(config, **overrides)
+        if config.get("model_type", "mamba2") != "mamba2":
+            raise ValueError(f"a Mamba2LM loads model_type 'mamba2', got "
+                             f"{config.get('model_type')!r}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"Mamba2 uses hidden_act 'silu', got {config['hidden_act']!r}")
+        fields = dict(
+            vocab_size=config["vocab_size"], d_model=config["hidden_size"],
+            num_layers=config["num_hidden_layers"], d_state=config.get("state_size", 128),
+            headdim=config.get("head_dim", 64), ngroups=config.get("n_groups", 8),
+            expand=config.get("expand", 2), d_conv=config.get("conv_kernel", 4),
+            chunk_size=config.get("chunk_size", 256),
+            norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+            bias=config.get("use_bias", False), conv_bias=config.get("use_conv_bias", True),
+            dt_limit=tuple(io.number(x) for x in config.get("time_step_limit",
+                                                            (0.0, float("inf")))),
+            residual_in_fp32=config.get("residual_in_fp32", True),
+            tie_embeddings=config.get("tie_word_embeddings", False),
+            source=json.dumps(dict(config), sort_keys=True),
+        )
+        heads = config.get("num_heads")
+        if heads is not None and heads * fields["headdim"] != fields["expand"] * fields["d_model"]:
+            raise ValueError(f"num_heads * head_dim ({heads} * {fields['headdim']}) must equal "
+                             f"expand * hidden_size ({fields['expand']} * {fields['d_model']})")
+        return cls(**{**fields, **overrides})
+
+    @classmethod
+    def _from_mamba_ssm(cls, config, **overrides):
+        ssm = dict(config.get("ssm_cfg", {}))
+        if ssm.get("layer", "Mamba2") != "Mamba2":
+            raise ValueError(f"a Mamba2LM loads Mamba2 layers, got ssm_cfg layer "
+                             f"{ssm.get('layer')!r}")
+        if config.get("d_intermediate", 0) or config.get("attn_layer_idx"):
+            raise ValueError("mamba_ssm configs with MLP (d_intermediate) or attention layers "
+                             "(attn_layer_idx) are not a Mamba2LM")
+        if not config.get("rms_norm", True):
+            raise ValueError("a Mamba2LM has RMSNorm (mamba_ssm's rms_norm=True)")
+        for option, default in (("rmsnorm", True), ("norm_before_gate", False),
+                                ("D_has_hdim", False)):
+            if ssm.get(option, default) != default:
+                raise ValueError(f"ssm_cfg {option}={ssm[option]!r} is not supported")
+        multiple = config.get("pad_vocab_size_multiple", 1)
+        vocab = -(-config["vocab_size"] // multiple) * multiple
+        fields = dict(
+            vocab_size=vocab, d_model=config["d_model"], num_layers=config["n_layer"],
+            d_state=ssm.get("d_state", 128), headdim=ssm.get("headdim", 64),
+            ngroups=ssm.get("ngroups", 1), expand=ssm.get("expand", 2),
+            d_conv=ssm.get("d_conv", 4), chunk_size=ssm.get("chunk_size", 256),
+            bias=ssm.get("bias", False), conv_bias=ssm.get("conv_bias", True),
+            dt_limit=tuple(float(x) for x in ssm.get("dt_limit", (0.0, float("inf")))),
+            residual_in_fp32=config.get("residual_in_fp32", True),
+            tie_embeddings=config.get("tie_embeddings", True),
+            source=json.dumps(dict(config), sort_keys=True),
+        )
+        return cls(**{**fields, **overrides})
+
+    def to_transformers(self, dtype: DTypeLike = jnp.float32) -> dict[str, Any]:
+        """transformers' Mamba2Config dict (config.json) for these sizes, over the source's
+        other fields where it was one."""
+        source = json.loads(self.source) if self.source else {}
+        if "ssm_cfg" in source or "n_layer" in source:
+            source = {}
+        return {**source, **dict(
+            architectures=["Mamba2ForCausalLM"], model_type="mamba2",
+            vocab_size=self.vocab_size, hidden_size=self.d_model,
+            num_hidden_layers=self.num_layers, state_size=self.d_state, head_dim=self.headdim,
+            num_heads=self.expand * self.d_model // self.headdim, n_groups=self.ngroups,
+            expand=self.expand, conv_kernel=self.d_conv, chunk_size=self.chunk_size,
+            layer_norm_epsilon=self.norm_eps, use_bias=self.bias,
+            use_conv_bias=self.conv_bias, hidden_act="silu",
+            time_step_limit=[io.json_number(x) for x in self.dt_limit],
+            residual_in_fp32=self.residual_in_fp32, tie_word_embeddings=self.tie_embeddings,
+            dtype=jnp.dtype(dtype).name,
+        )}
+
+
+class _Block(nnx.Module):
+    def __init__(self, config, index, rngs):
+        self.norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, dtype=config.dtype,
+                                scale_metadata=logical("embed"), rngs=rngs)
+        self.mixer = Mamba2(
+            config.d_model, d_state=config.d_state, d_conv=config.d_conv, expand=config.expand,
+            headdim=config.headdim, ngroups=config.ngroups, chunk_size=config.chunk_size,
+            norm_eps=config.norm_eps, dt_limit=config.dt_limit, bias=config.bias,
+            conv_bias=config.conv_bias, layer_idx=index, dtype=config.dtype,
+            implementation=config.implementation, rngs=rngs,
+        )
+
+
+class Mamba2LM(CausalLM):
+    """Embedding -> Mamba2 blocks (pre-norm residual, the residual stream in float32 with
+    `residual_in_fp32`) -> RMSNorm -> LM head (the embedding's transpose with
+    `tie_embeddings`).
+
+    `__call__(tokens (B, T) int, *, segment_ids=None, decode=False, lengths=None)` returns
+    logits (B, T, V) float32; with `decode=True` (after `init_cache`) the tokens continue each
+    row's cached conv and SSM states (`lengths` (B,): real tokens per row). `generate` samples
+    in one compiled call. `from_pretrained` loads transformers' or mamba_ssm's checkpoints;
+    `state_dict` and `save_pretrained` export them.
+
+    Where transformers differs: its pure-PyTorch path normalises the gated RMSNorm over all
+    d_inner channels whatever n_groups; mamba_ssm's kernels (which trained the published
+    models, and transformers' CUDA path) and this model normalise each group. The two agree
+    at n_groups = 1.
+    """
+
+    def __init__(self, config: Mamba2LMConfig, *, param_dtype: DTypeLike = jnp.float32,
+                 rngs: nnx.Rngs):
+        if not isinstance(config, Mamba2LMConfig):
+            raise TypeError(f"config must be a Mamba2LMConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=config.dtype,
+                               param_dtype=param_dtype,
+                               embedding_metadata=logical("vocab", "embed"), rngs=rngs)
+        self.blocks = nnx.List([_Block(config, i, rngs) for i in range(config.num_layers)])
+        self.norm_f = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, dtype=config.dtype,
+                                  param_dtype=param_dtype, scale_metadata=logical("embed"),
+                                  rngs=rngs)
+        self.lm_head = None if config.tie_embeddings else nnx.Linear(
+            config.d_model, config.vocab_size, use_bias=False, dtype=config.dtype,
+            param_dtype=param_dtype, kernel_metadata=logical("embed", "vocab"), rngs=rngs)
+
+    def init_cache(self, batch_size: int, max_length: int | None = None, *,
+                   dtype: DTypeLike | None = None, kv_dtype: DTypeLike | None = None,
+                   page_size: int | None = None) -> None:
+        """Empty decode caches for `batch_size` rows: per block a conv state (in `dtype`,
+        default the model's) and an SSM state (float32). A Mamba2LM holds no KV cache: its
+        caches do not grow, and `max_length`, `kv_dtype` and `page_size` change nothing."""
+        check_sizes(batch_size=batch_size)
+        dtype = jnp.dtype(dtype or self.config.dtype or jnp.float32)
+        for block in self.blocks:
+            block.mixer.init_cache(batch_size, dtype)
+
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 decode: bool = False, lengths: jax.Array | None = None) -> jax.Array:
+        return self._forward(tokens, segment_ids, decode, lengths, fresh=False)
+
+    def _forward(self, tokens, segment_ids, decode, lengths, fresh, logits_at=None):
+        check_tokens("tokens", tokens, self.config.vocab_size)
+        if decode:
+            if segment_ids is not None:
+                raise ValueError("decode=True continues one sequence per row: it takes no "
+                                 "segment_ids")
+            for block in self.blocks:
+                block.mixer.check_cache(tokens.shape[0])
+        if lengths is not None:
+            if not decode:
+                raise ValueError("lengths is for decode=True (a forward takes segment_ids)")
+            lengths = check_lengths(lengths, *tokens.shape)
+        in_vocab = (tokens >= 0) & (tokens < self.config.vocab_size)
+        h = self.embed(jnp.where(in_vocab, tokens, 0), out_sharding=token_features(tokens))
+        if self.config.residual_in_fp32:
+            h = h.astype(jnp.float32)
+        for block in self.blocks:
+            x = block.norm(h)
+            if self.config.dtype is not None:
+                x = x.astype(self.config.dtype)
+            h = h + block.mixer(x, seq_idx=segment_ids, decode=decode, lengths=lengths)
+        h = jnp.where(in_vocab[..., None], h, jnp.nan)
+        if logits_at is not None:
+            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
+        h = self.norm_f(h)
+        logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+        return logits.astype(jnp.float32)
+
+    # -----------------------------------------------------------------------------------------
+    # Checkpoints
+
+    @classmethod
+    def from_pretrained(cls, source: str | os.PathLike | Mapping[str, Any], *,
+                        config: Mamba2LMConfig | None = None,
+                        param_dtype: DTypeLike = jnp.float32, **overrides: Any) -> Self:
+        """A Mamba2LM with the weights of a checkpoint: a directory with config.json and
+        safetensors (or a torch state dict), a single file, or a state dict in memory, in
+        transformers' names (`backbone.embeddings.weight`, `backbone.layers.{i}.mixer.*`,
+        ...) or mamba_ssm's (`backbone.embedding.weight`, ...). `config` is needed where the
+        source has no config.json; `overrides` (dtype, implementation, chunk_size, ...)
+        replace its fields. Parameters are `param_dtype` (float32 by default, for training);
+        every tensor must be used, with the shape the config gives it."""
+        found, tensors = io.read_checkpoint(source)
+        if config is None:
+            if found is None:
+                raise ValueError("the checkpoint has no config.json: pass config=")
+            config = Mamba2LMConfig.from_dict(found, **overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        model = nnx.eval_shape(lambda: cls(config, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+        reader = io.TensorReader(tensors, str(source) if not isinstance(source, Mapping)
+                                 else "the state dict")
+        embedding = ("backbone.embedding.weight" if "backbone.embedding.weight" in reader
+                     else "backbone.embeddings.weight")
+        io.set_param(model.embed.embedding, reader.take(embedding, tuple(
+            model.embed.embedding.shape)))
+        for i, block in enumerate(model.blocks):
+            io.load_norm(reader, f"backbone.layers.{i}.norm", block.norm)
+            io.load_mixer(reader, f"backbone.layers.{i}.mixer", block.mixer)
+        io.load_norm(reader, "backbone.norm_f", model.norm_f)
+        if model.lm_head is not None:
+            io.load_linear(reader, "lm_head", model.lm_head)
+        else:
+            reader.skip(["lm_head.weight"])  # a tied copy, where written
+        reader.finish()
+        io.check_all_set(model)
+        return model
+
+    def state_dict(self, *, dtype: DTypeLike | None = None,
+                   names: str = "transformers") -> dict[str, Any]:
+        """The parameters as numpy arrays in transformers' layout and names (`names=
+        "mamba_ssm"`: mamba_ssm's), in `dtype` (default: the dtype the source checkpoint
+        recorded, else float32)."""
+        if names not in ("transformers", "mamba_ssm"):
+            raise ValueError(f"names must be 'transformers' or 'mamba_ssm', got {names!r}")
+        dtype = jnp.dtype(dtype or io.source_dtype(self.config))
+        out = {}
+        embedding = "embedding" if names == "mamba_ssm" else "embeddings"
+        out[f"backbone.{embedding}.weight"] = io.array(self.embed.embedding, dtype)
+        for i, block in enumerate(self.blocks):
+            io.export_norm(out, f"backbone.layers.{i}.norm", block.norm, dtype)
+            io.export_mixer(out, f"backbone.layers.{i}.mixer", block.mixer, dtype)
+        io.export_norm(out, "backbone.norm_f", self.norm_f, dtype)
+        if self.lm_head is not None:
+            io.export_linear(out, "lm_head", self.lm_head, dtype)
+        return out
+
+    def save_pretrained(self, directory: str | os.PathLike, *,
+                        dtype: DTypeLike | None = None) -> str:
+        """Writes config.json (transformers' Mamba2Config) and model.safetensors into
+        `directory`, which transformers' `Mamba2ForCausalLM.from_pretrained` reads."""
+        dtype = jnp.dtype(dtype or io.source_dtype(self.config))
+        path = io.write_checkpoint(directory, self.config.to_transformers(dtype),
+                                   self.state_dict(dtype=dtype))
+        return str(path)
