@@ -209,7 +209,8 @@ def main(argv=None):
                      and r["shape"] == (b, t, n, k, h) and r["causal"] == causal]
             if timed:
                 best[kernel] = tuning.KernelBlocks(*min(timed, key=lambda r: r["ms"])["blocks"])
-        default = tuning.blocks_for(jax.devices()[0].device_kind, h)
+        default = tuning.blocks_for(jax.devices()[0].device_kind, h, groups=n // k,
+                                    causal=causal)
         tuned = dataclasses.replace(default, **best)
         end_to_end(b, t, n, k, h, causal, result["e2e"], block_sizes=tuned)
         result["e2e"][-2]["blocks"] = dataclasses.asdict(tuned)

@@ -54,7 +54,7 @@ ZAMBA2_TINY = dict(vocab_size=256, d_model=32, num_layers=2, hybrid_layers=(1,),
 KERNEL_CLASSES = [
     ("attention kernels", r"flash_attention"),
     ("SSD kernels", r"^ssd_"),
-    ("matmuls", r"gemm|cublas|cutlass|xmma|matmul|dot"),
+    ("matmuls", r"gemm|cublas|cutlass|xmma|nvjet|matmul|dot"),
     ("reductions (norms, softmax, loss)", r"reduce"),
     ("layout copies", r"copy|transpose"),
     ("other fusions", r""),
@@ -136,12 +136,15 @@ def measure(run, implementation, opts):
         events, planes = _profile.kernel_events(one_step)
         if not events:
             record["trace_planes"] = planes
-        busy = collections.Counter()
+        busy, by_name = collections.Counter(), collections.Counter()
         for name, _, duration in events:
             busy[kernel_class(name)] += duration
+            by_name[name] += duration
         total = sum(busy.values())
         record["kernels"] = len(events)
         record["kernel_ms"] = total / 1e6
+        record["top_kernels"] = [dict(name=name[:120], ms=ns / 1e6, kind=kernel_class(name))
+                                 for name, ns in by_name.most_common(25)]
         record["classes"] = {label: dict(ms=ns / 1e6, share=ns / total)
                              for label, ns in busy.most_common()} if total else {}
     return record

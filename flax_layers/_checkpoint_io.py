@@ -6,6 +6,7 @@ listed in `model.safetensors.index.json`; or a torch `pytorch_model.bin`), a sin
 or torch tensors). Torch files and tensors need torch, which this package does not depend on.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -15,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 CONFIG_NAME = "config.json"
 SAFETENSORS_NAME = "model.safetensors"
@@ -54,18 +56,21 @@ def read_checkpoint(source: str | os.PathLike | Mapping[str, Any],
                             f"{' / '.join(TORCH_NAMES)}; it holds {found}")
 
 
-def write_checkpoint(directory: str | os.PathLike, config: dict,
-                     tensors: Mapping[str, np.ndarray]) -> pathlib.Path:
-    """Writes config.json and model.safetensors (with transformers' `format: pt` metadata)
-    into `directory` (made if missing); returns its path."""
+def save_pretrained(model, directory: str | os.PathLike, dtype=None) -> str:
+    """`model.save_pretrained`: its config (`config.to_transformers`) as config.json and its
+    `state_dict` as model.safetensors (with transformers' `format: pt` metadata), in `dtype`
+    (default: the source checkpoint's, `source_dtype`), into `directory` (made if missing);
+    returns its path."""
     from safetensors.numpy import save_file
 
+    dtype = jnp.dtype(dtype or source_dtype(model.config))
+    config, tensors = model.config.to_transformers(dtype), model.state_dict(dtype=dtype)
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file({name: np.ascontiguousarray(value) for name, value in tensors.items()},
               directory / SAFETENSORS_NAME, metadata={"format": "pt"})
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return directory
+    return str(directory)
 
 
 def _read_file(path):
@@ -227,8 +232,28 @@ def export_mixer(out: dict, prefix: str, mixer, dtype) -> None:
 
 def check_all_set(model) -> None:
     """A ValueError naming a parameter the checkpoint did not give (still abstract)."""
-    from flax import nnx
-
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if isinstance(variable.get_value(), jax.ShapeDtypeStruct):
             raise ValueError(f"the checkpoint gave no value for {'.'.join(map(str, path))}")
+
+
+def from_pretrained(model_class, config_class, source, config, param_dtype, overrides):
+    """`model_class.from_pretrained`: the config from the source's config.json (or `config`),
+    `overrides` replacing its fields; the model built abstractly (no random initialisation),
+    then every parameter from the checkpoint by the model's `_load(reader)`, every tensor
+    used and every parameter given."""
+    found, tensors = read_checkpoint(source)
+    if config is None:
+        if found is None:
+            raise ValueError("the checkpoint has no config.json: pass config=")
+        config = config_class.from_dict(found, **overrides)
+    elif overrides:
+        config = dataclasses.replace(config, **overrides)
+    model = nnx.eval_shape(lambda: model_class(config, param_dtype=param_dtype,
+                                               rngs=nnx.Rngs(0)))
+    reader = TensorReader(tensors, "the state dict" if isinstance(source, Mapping)
+                          else str(source))
+    model._load(reader)
+    reader.finish()
+    check_all_set(model)
+    return model

@@ -19,10 +19,30 @@ from flax_layers._checks import check_lengths, check_tokens
 class CausalLM(nnx.Module):
     """A language model that `generate` samples from. A subclass has a `config` with
     `vocab_size` and `dtype` (the compute dtype, or None), and provides
-    `init_cache(batch, max_length, *, kv_dtype=None, page_size=None)` (empty decode caches)
+    `init_cache(batch, max_length, *, kv_dtype=None, page_size=None)` (empty decode caches),
+    `_check_decode(batch, new, segment_ids)` (a ValueError unless the caches take the tokens)
     and `_forward(tokens, segment_ids, decode, lengths, fresh, logits_at=None)` (logits
     float32; with `fresh` the caches were just initialised, with `logits_at` (B,) only the
-    logits at those positions, (B, 1, V))."""
+    logits at those positions, (B, 1, V)), which `_inputs` and `_logits` begin and end."""
+
+    def _inputs(self, tokens, segment_ids, decode, lengths):
+        """`_forward`'s checks: (lengths as int32 or None, in_vocab (B, T) bool)."""
+        check_tokens("tokens", tokens, self.config.vocab_size)
+        if decode:
+            self._check_decode(*tokens.shape, segment_ids)
+        if lengths is not None:
+            if not decode:
+                raise ValueError("lengths is for decode=True (a forward takes segment_ids)")
+            lengths = check_lengths(lengths, *tokens.shape)
+        return lengths, (tokens >= 0) & (tokens < self.config.vocab_size)
+
+    def _logits(self, h, in_vocab, logits_at, norm, head):
+        """float32 logits of the final hidden states h (B, T, D) through `norm` and `head`: NaN
+        at tokens outside the vocabulary, only at `logits_at` (B,) where given."""
+        h = jnp.where(in_vocab[..., None], h, jnp.nan)  # fused into the final norm
+        if logits_at is not None:
+            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
+        return head(norm(h)).astype(jnp.float32)
 
     def generate(
         self,

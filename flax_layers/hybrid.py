@@ -8,13 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from flax_layers._checks import (
-    check_dtypes,
-    check_implementation,
-    check_lengths,
-    check_sizes,
-    check_tokens,
-)
+from flax_layers._checks import check_dtypes, check_implementation, check_sizes
 from flax_layers._sharding import (
     logical,
     reorder_sequence,
@@ -214,14 +208,7 @@ class HybridLM(CausalLM):
         block's attention runs the FlashAttention kernel over the prompt itself; with
         `logits_at` (B,) only the logits at those positions, (B, 1, V) (a prefill needs the
         last prompt token's: the (B, T, V) logits of a long prompt are large)."""
-        check_tokens("tokens", tokens, self.config.vocab_size)
-        if decode:
-            self._check_decode(*tokens.shape, segment_ids)
-        if lengths is not None:
-            if not decode:
-                raise ValueError("lengths is for decode=True (a forward takes segment_ids)")
-            lengths = check_lengths(lengths, *tokens.shape)
-        in_vocab = (tokens >= 0) & (tokens < self.config.vocab_size)  # (B, T)
+        lengths, in_vocab = self._inputs(tokens, segment_ids, decode, lengths)
         embeddings = self.embed(jnp.where(in_vocab, tokens, 0),
                                 out_sharding=token_features(tokens))
         # The Mamba2 blocks run on contiguous sequence shards, the shared block in the tokens'
@@ -241,10 +228,7 @@ class HybridLM(CausalLM):
                 if decode:
                     self.kv_caches[use].set(cache)
         h = reorder_sequence(h, h_order, order)
-        h = jnp.where(in_vocab[..., None], h, jnp.nan)  # fused into the final norm
-        if logits_at is not None:
-            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
-        return self.embed.attend(self.final_norm(h)).astype(jnp.float32)
+        return self._logits(h, in_vocab, logits_at, self.final_norm, self.embed.attend)
 
     def _check_decode(self, batch, new, segment_ids):
         """A ValueError, before any cache changes, unless `new` tokens of `batch` rows (without

@@ -18,9 +18,7 @@ from flax_layers._checks import (
     check_dtypes,
     check_flags,
     check_implementation,
-    check_lengths,
     check_sizes,
-    check_tokens,
 )
 from flax_layers._sharding import logical, token_features
 from flax_layers.generation import CausalLM
@@ -214,18 +212,7 @@ class Mamba2LM(CausalLM):
         return self._forward(tokens, segment_ids, decode, lengths, fresh=False)
 
     def _forward(self, tokens, segment_ids, decode, lengths, fresh, logits_at=None):
-        check_tokens("tokens", tokens, self.config.vocab_size)
-        if decode:
-            if segment_ids is not None:
-                raise ValueError("decode=True continues one sequence per row: it takes no "
-                                 "segment_ids")
-            for block in self.blocks:
-                block.mixer.check_cache(tokens.shape[0])
-        if lengths is not None:
-            if not decode:
-                raise ValueError("lengths is for decode=True (a forward takes segment_ids)")
-            lengths = check_lengths(lengths, *tokens.shape)
-        in_vocab = (tokens >= 0) & (tokens < self.config.vocab_size)
+        lengths, in_vocab = self._inputs(tokens, segment_ids, decode, lengths)
         h = self.embed(jnp.where(in_vocab, tokens, 0), out_sharding=token_features(tokens))
         if self.config.residual_in_fp32:
             h = h.astype(jnp.float32)
@@ -234,12 +221,15 @@ class Mamba2LM(CausalLM):
             if self.config.dtype is not None:
                 x = x.astype(self.config.dtype)
             h = h + block.mixer(x, seq_idx=segment_ids, decode=decode, lengths=lengths)
-        h = jnp.where(in_vocab[..., None], h, jnp.nan)
-        if logits_at is not None:
-            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
-        h = self.norm_f(h)
-        logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
-        return logits.astype(jnp.float32)
+        return self._logits(h, in_vocab, logits_at, self.norm_f,
+                            self.embed.attend if self.lm_head is None else self.lm_head)
+
+    def _check_decode(self, batch, new, segment_ids):
+        if segment_ids is not None:
+            raise ValueError("decode=True continues one sequence per row: it takes no "
+                             "segment_ids")
+        for block in self.blocks:
+            block.mixer.check_cache(batch)
 
     # -----------------------------------------------------------------------------------------
     # Checkpoints
@@ -255,31 +245,21 @@ class Mamba2LM(CausalLM):
         source has no config.json; `overrides` (dtype, implementation, chunk_size, ...)
         replace its fields. Parameters are `param_dtype` (float32 by default, for training);
         every tensor must be used, with the shape the config gives it."""
-        found, tensors = io.read_checkpoint(source)
-        if config is None:
-            if found is None:
-                raise ValueError("the checkpoint has no config.json: pass config=")
-            config = Mamba2LMConfig.from_dict(found, **overrides)
-        elif overrides:
-            config = dataclasses.replace(config, **overrides)
-        model = nnx.eval_shape(lambda: cls(config, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
-        reader = io.TensorReader(tensors, str(source) if not isinstance(source, Mapping)
-                                 else "the state dict")
+        return io.from_pretrained(cls, Mamba2LMConfig, source, config, param_dtype, overrides)
+
+    def _load(self, reader):
         embedding = ("backbone.embedding.weight" if "backbone.embedding.weight" in reader
                      else "backbone.embeddings.weight")
-        io.set_param(model.embed.embedding, reader.take(embedding, tuple(
-            model.embed.embedding.shape)))
-        for i, block in enumerate(model.blocks):
+        io.set_param(self.embed.embedding, reader.take(embedding, tuple(
+            self.embed.embedding.shape)))
+        for i, block in enumerate(self.blocks):
             io.load_norm(reader, f"backbone.layers.{i}.norm", block.norm)
             io.load_mixer(reader, f"backbone.layers.{i}.mixer", block.mixer)
-        io.load_norm(reader, "backbone.norm_f", model.norm_f)
-        if model.lm_head is not None:
-            io.load_linear(reader, "lm_head", model.lm_head)
+        io.load_norm(reader, "backbone.norm_f", self.norm_f)
+        if self.lm_head is not None:
+            io.load_linear(reader, "lm_head", self.lm_head)
         else:
             reader.skip(["lm_head.weight"])  # a tied copy, where written
-        reader.finish()
-        io.check_all_set(model)
-        return model
 
     def state_dict(self, *, dtype: DTypeLike | None = None,
                    names: str = "transformers") -> dict[str, Any]:
@@ -304,7 +284,4 @@ class Mamba2LM(CausalLM):
                         dtype: DTypeLike | None = None) -> str:
         """Writes config.json (transformers' Mamba2Config) and model.safetensors into
         `directory`, which transformers' `Mamba2ForCausalLM.from_pretrained` reads."""
-        dtype = jnp.dtype(dtype or io.source_dtype(self.config))
-        path = io.write_checkpoint(directory, self.config.to_transformers(dtype),
-                                   self.state_dict(dtype=dtype))
-        return str(path)
+        return io.save_pretrained(self, directory, dtype)

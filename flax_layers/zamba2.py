@@ -17,9 +17,7 @@ from flax_layers._checks import (
     check_dtypes,
     check_flags,
     check_implementation,
-    check_lengths,
     check_sizes,
-    check_tokens,
 )
 from flax_layers._sharding import logical, token_features
 from flax_layers.attention import FlashMultiHeadAttention, KVCacheSlot, check_heads
@@ -338,14 +336,7 @@ class Zamba2LM(CausalLM):
         return self._forward(tokens, segment_ids, decode, lengths, fresh=False)
 
     def _forward(self, tokens, segment_ids, decode, lengths, fresh, logits_at=None):
-        check_tokens("tokens", tokens, self.config.vocab_size)
-        if decode:
-            self._check_decode(*tokens.shape, segment_ids)
-        if lengths is not None:
-            if not decode:
-                raise ValueError("lengths is for decode=True (a forward takes segment_ids)")
-            lengths = check_lengths(lengths, *tokens.shape)
-        in_vocab = (tokens >= 0) & (tokens < self.config.vocab_size)
+        lengths, in_vocab = self._inputs(tokens, segment_ids, decode, lengths)
         embeddings = self.embed(jnp.where(in_vocab, tokens, 0),
                                 out_sharding=token_features(tokens))
         activation = _ACTIVATIONS[self.config.hidden_act]
@@ -363,12 +354,8 @@ class Zamba2LM(CausalLM):
                 x = h + self.linears[use](out)
             h = h + layer.mixer(layer.norm(x), seq_idx=segment_ids, decode=decode,
                                 lengths=lengths)
-        h = jnp.where(in_vocab[..., None], h, jnp.nan)
-        if logits_at is not None:
-            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
-        h = self.final_norm(h)
-        logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
-        return logits.astype(jnp.float32)
+        return self._logits(h, in_vocab, logits_at, self.final_norm,
+                            self.embed.attend if self.lm_head is None else self.lm_head)
 
     def _check_decode(self, batch, new, segment_ids):
         if self.kv_caches is None:
@@ -404,20 +391,7 @@ class Zamba2LM(CausalLM):
         config.json and safetensors, a single file, or a state dict; see
         `Mamba2LM.from_pretrained`). Copies of the shared blocks saved under later hybrid
         layers (tied weights) are skipped."""
-        found, tensors = io.read_checkpoint(source)
-        if config is None:
-            if found is None:
-                raise ValueError("the checkpoint has no config.json: pass config=")
-            config = Zamba2Config.from_dict(found, **overrides)
-        elif overrides:
-            config = dataclasses.replace(config, **overrides)
-        model = nnx.eval_shape(lambda: cls(config, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
-        reader = io.TensorReader(tensors, str(source) if not isinstance(source, Mapping)
-                                 else "the state dict")
-        model._load(reader)
-        reader.finish()
-        io.check_all_set(model)
-        return model
+        return io.from_pretrained(cls, Zamba2Config, source, config, param_dtype, overrides)
 
     def _load(self, reader):
         config = self.config
@@ -490,7 +464,7 @@ class Zamba2LM(CausalLM):
                         _export_low_rank(
                             out, f"{prefix}.self_attn.linear_{name}_adapter_list.{use}",
                             adapter, dtype)
-        out["model.final_layernorm.weight"] = io.array(self.final_norm.scale, dtype)
+        io.export_norm(out, "model.final_layernorm", self.final_norm, dtype)
         if self.lm_head is not None:
             io.export_linear(out, "lm_head", self.lm_head, dtype)
         return out
@@ -499,9 +473,7 @@ class Zamba2LM(CausalLM):
                         dtype: DTypeLike | None = None) -> str:
         """Writes config.json (transformers' Zamba2Config) and model.safetensors into
         `directory`, which transformers' `Zamba2ForCausalLM.from_pretrained` reads."""
-        dtype = jnp.dtype(dtype or io.source_dtype(self.config))
-        return str(io.write_checkpoint(directory, self.config.to_transformers(dtype),
-                                       self.state_dict(dtype=dtype)))
+        return io.save_pretrained(self, directory, dtype)
 
 
 def _load_low_rank(reader, prefix, adapter):

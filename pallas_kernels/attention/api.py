@@ -282,7 +282,8 @@ def _configure(query, key, has_segments, q_len, kv_len, shift, block_sizes, *, s
     s, k_heads = key.shape[1], key.shape[2]
     d_pad = tuning.padded_head_dim(h)
     if block_sizes is None:
-        block_sizes = tuning.blocks_for(_device.target()[0], d_pad)
+        block_sizes = tuning.blocks_for(_device.target()[0], d_pad, groups=n // k_heads,
+                                        causal=band[1] is not None)
     blocks = block_sizes.fit(t, s, has_pairs=has_pairs)
     block_q = max(b.block_q for b in (blocks.forward, blocks.dkv, blocks.dq))
     block_k = max(b.block_k for b in (blocks.forward, blocks.dkv, blocks.dq))

@@ -107,10 +107,24 @@ _TABLE = {
 }
 
 
-def blocks_for(device_kind, head_dim):
+# family -> (smallest GQA group, head splits): the causal dK/dV kernel of a group at least that
+# large splits its query heads across that many programs. GQA 8:1, d128, T 8192 on an H100:
+# 2.39 ms with 4 splits, 2.54 with 2, 2.91 with 1; without the causal mask one program a group
+# stays best (4.09 ms against 4.21 with 4) (benchmarks/results/attention_tune_h100_gqa8.json).
+_CAUSAL_GROUP_SPLITS = {"hopper": (4, 4)}
+
+
+def blocks_for(device_kind, head_dim, *, groups=1, causal=False):
     """The table's AttentionBlocks for a device kind and a (padded, power-of-two) head dim
-    <= 256."""
+    <= 256; with `causal` (keys past the diagonal skipped) and a GQA group of `groups` query
+    heads, the dK/dV kernel's head splits for it."""
     for max_dim, sizes in _TABLE[_device.family(device_kind)]:
         if head_dim <= max_dim:
-            return sizes
-    raise ValueError(f"head dim {head_dim} is above the largest supported (256)")
+            break
+    else:
+        raise ValueError(f"head dim {head_dim} is above the largest supported (256)")
+    smallest, splits = _CAUSAL_GROUP_SPLITS.get(_device.family(device_kind), (0, 1))
+    if causal and groups >= smallest > 0:
+        sizes = dataclasses.replace(sizes, dkv=dataclasses.replace(sizes.dkv,
+                                                                   head_splits=splits))
+    return sizes

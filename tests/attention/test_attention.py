@@ -231,6 +231,15 @@ def test_block_sizes_override_and_validation():
         tuning.KernelBlocks(8, 16, 4, 1)
 
 
+def test_causal_gqa_groups_of_four_or_more_split_the_dkv_programs_on_hopper():
+    def splits(kind, groups, causal):
+        return tuning.blocks_for(kind, 128, groups=groups, causal=causal).dkv.head_splits
+
+    assert splits("NVIDIA H200", 8, True) == splits("NVIDIA H100 80GB HBM3", 4, True) == 4
+    assert splits("NVIDIA H200", 2, True) == splits("NVIDIA H200", 8, False) == 1
+    assert splits("gfx942", 8, True) == 1
+
+
 @pytest.mark.parametrize("device_kind", ["gfx942", "gfx90a", "AMD Instinct MI300X"])
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
 def test_amd_rows_use_one_stage(device_kind, head_dim):
