@@ -82,10 +82,11 @@ class HybridLMConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> Self:
-        """"tiny" (trains on a CPU in minutes), "small", or "zamba2-1.2b" (Zamba2-1.2B's sizes:
-        d_model 2048, Mamba2 blocks with state 64, a shared 32-head block every 6). Zamba2-1.2B
-        has 38 Mamba2 blocks, which a shared block every 6 cannot divide; the preset keeps 36
-        (6 uses of the shared block). Its exact layer pattern is not modelled yet."""
+        """"tiny" (trains on a CPU in minutes), "small", or "zamba2-1.2b" (Zamba2-1.2B's sizes
+        in this Zamba2-style model: d_model 2048, Mamba2 blocks with state 64, a shared 32-head
+        block every 6; 36 blocks, as a shared block every 6 cannot divide Zamba2-1.2B's 38).
+        `flax_layers.Zamba2Config.preset("zamba2-1.2b")` is the published architecture itself
+        (38 layers, state 128, adapters, its hybrid layer pattern), for `Zamba2LM`."""
         presets = {
             "tiny": {},
             "small": dict(d_model=512, num_layers=12, shared_every=4, num_heads=8,
