@@ -118,10 +118,9 @@ def blocks_for(device_kind, head_dim, *, groups=1, causal=False):
     """The table's AttentionBlocks for a device kind and a (padded, power-of-two) head dim
     <= 256; with `causal` (keys past the diagonal skipped) and a GQA group of `groups` query
     heads, the dK/dV kernel's head splits for it."""
-    for max_dim, sizes in _TABLE[_device.family(device_kind)]:
-        if head_dim <= max_dim:
-            break
-    else:
+    sizes = next((sizes for max_dim, sizes in _TABLE[_device.family(device_kind)]
+                  if head_dim <= max_dim), None)
+    if sizes is None:
         raise ValueError(f"head dim {head_dim} is above the largest supported (256)")
     smallest, splits = _CAUSAL_GROUP_SPLITS.get(_device.family(device_kind), (0, 1))
     if causal and groups >= smallest > 0:
