@@ -1,13 +1,14 @@
-"""Fine-tune a Mamba2 or Zamba2 checkpoint on a text file, and save it in the same format.
+"""Fine-tune a Mamba2 or Zamba2 checkpoint on a text file, and save it in transformers' format.
 
 The checkpoint is a directory in transformers' format (config.json with model_type "mamba2"
-or "zamba2", and model.safetensors or shards; mamba_ssm's Mamba2 config.json too), for
-example one downloaded from the Hugging Face Hub. It loads into `flax_layers.Mamba2LM` or
-`flax_layers.Zamba2LM` (float32 parameters; the kernels and bf16 compute on a GPU), trains
-with the training example's machinery (`train_hybrid_lm.py`: AdamW with warmup and cosine
-decay, global-norm clipping, next-token loss, a jit-compiled step that donates its state),
-and is written back to `--out` as config.json + model.safetensors in the checkpoint's dtype,
-which transformers' `from_pretrained` reads.
+or "zamba2", and model.safetensors or shards), for example one downloaded from the Hugging
+Face Hub, or mamba_ssm's (its Mamba2 config.json and weights). It loads into
+`flax_layers.Mamba2LM` or `flax_layers.Zamba2LM` (float32 parameters; the kernels and bf16
+compute on a GPU), trains with the training example's machinery (`train_hybrid_lm.py`: AdamW
+with warmup and cosine decay, global-norm clipping, next-token loss, a jit-compiled step that
+donates its state), and is written to `--out` as config.json + model.safetensors in the
+checkpoint's dtype, which transformers' `from_pretrained` reads; the tokenizer's and the
+generation config's files are copied beside them.
 
 Tokens: with a `tokenizer.json` in the checkpoint and the `tokenizers` package installed, the
 text is encoded by it; otherwise each byte is a token (the model's vocabulary must then hold
@@ -22,6 +23,7 @@ An interrupt (Ctrl-C) saves the parameters reached so far before it exits.
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,6 +31,9 @@ from pathlib import Path
 import numpy as np
 
 MODEL_TYPES = ("mamba2", "zamba2")
+# Copied from the checkpoint to --out where present, so that the output loads as a whole.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "generation_config.json")
 EXAMPLES = Path(__file__).resolve().parent
 
 
@@ -85,7 +90,7 @@ def read_config(checkpoint: Path) -> dict:
 
 def tokenize(text_path: Path, checkpoint: Path, vocab_size: int) -> np.ndarray:
     """The text's token ids (int32): by the checkpoint's tokenizer.json where the `tokenizers`
-    package is installed, else its bytes."""
+    package is installed, else its bytes; every id must lie in the model's vocabulary."""
     if not text_path.is_file():
         raise UsageError(f"text file not found: {text_path}")
     data = text_path.read_bytes()
@@ -99,9 +104,12 @@ def tokenize(text_path: Path, checkpoint: Path, vocab_size: int) -> np.ndarray:
             print(f"note: {tokenizer_file} is there but the tokenizers package is not; "
                   "using bytes", file=sys.stderr)
         else:
-            ids = Tokenizer.from_file(str(tokenizer_file)).encode(
-                data.decode("utf-8", errors="replace")).ids
-            return np.asarray(ids, np.int32)
+            ids = np.asarray(Tokenizer.from_file(str(tokenizer_file)).encode(
+                data.decode("utf-8", errors="replace")).ids, np.int32)
+            if ids.size and ids.max() >= vocab_size:
+                raise UsageError(f"{tokenizer_file} gives id {ids.max()}, outside the model's "
+                                 f"vocabulary of {vocab_size}")
+            return ids
     ids = np.frombuffer(data, np.uint8).astype(np.int32)
     if ids.max() >= vocab_size:
         raise UsageError(f"byte tokens: the text has byte {ids.max()}, the model's vocabulary "
@@ -113,7 +121,9 @@ def main(argv=None) -> int:
     try:
         args = parse_args(argv)
         config = read_config(args.checkpoint)
-        vocab = config.get("vocab_size", 0)
+        vocab = config.get("vocab_size")
+        if not isinstance(vocab, int) or vocab < 1:
+            raise UsageError(f"{args.checkpoint / 'config.json'} has no vocab_size")
         tokens = tokenize(args.text, args.checkpoint, vocab)
         held_out = max(int(len(tokens) * args.eval_fraction), args.seq_len + 1)
         if len(tokens) - held_out < args.seq_len + 1:
@@ -182,6 +192,9 @@ def finetune(args, config, train_tokens, eval_tokens) -> int:
         print(f"interrupted after step {step}: saving what it reached", file=sys.stderr)
     print(f"held-out loss after: {evaluate(params):.4f}")
     path = nnx.merge(graphdef, params).save_pretrained(args.out)
+    for name in TOKENIZER_FILES:
+        if (args.checkpoint / name).is_file():
+            shutil.copy2(args.checkpoint / name, args.out / name)
     print(f"saved to {path}")
     return 0
 

@@ -92,15 +92,11 @@ def _numpy(value):
     if hasattr(value, "detach"):  # a torch tensor
         value = value.detach().cpu()
         if str(value.dtype) == "torch.bfloat16":
-            return value.view(dtype=_torch_int16()).numpy().view(jnp.bfloat16)
+            import torch
+
+            return value.view(dtype=torch.int16).numpy().view(jnp.bfloat16)
         return value.numpy()
     return np.asarray(value)
-
-
-def _torch_int16():
-    import torch
-
-    return torch.int16
 
 
 class TensorReader:
@@ -115,7 +111,8 @@ class TensorReader:
 
     def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.tensors:
-            near = sorted(n for n in self.tensors if n.rsplit(".", 1)[0] in name)[:3]
+            near = sorted(n for n in self.tensors
+                          if name.startswith(n.rsplit(".", 1)[0] + "."))[:3]
             raise KeyError(f"{self.source} has no tensor {name!r}"
                            + (f" (it has {near})" if near else ""))
         value = self.tensors[name]
@@ -125,9 +122,15 @@ class TensorReader:
         self.taken.add(name)
         return value
 
-    def skip(self, names: Iterable[str]) -> None:
-        """Marks tensors that are read elsewhere or on purpose not at all (tied copies)."""
-        self.taken.update(n for n in names if n in self.tensors)
+    def tied(self, copy: str, original: str) -> None:
+        """`copy`, where the checkpoint holds it, must equal `original` (a tied weight saved
+        twice): a copy that differs is an error, not silently dropped."""
+        if copy not in self.tensors:
+            return
+        if not np.array_equal(self.tensors[copy], self.tensors.get(original)):
+            raise ValueError(f"{self.source}: {copy} should be a tied copy of {original}, but "
+                             "their values differ")
+        self.taken.add(copy)
 
     def finish(self) -> None:
         left = sorted(set(self.tensors) - self.taken)
@@ -230,6 +233,44 @@ def export_mixer(out: dict, prefix: str, mixer, dtype) -> None:
         out[f"{prefix}.norm.weight"] = array(mixer.norm_weight, dtype)
 
 
+def load_embedding(reader: TensorReader, name: str, embed) -> None:
+    set_param(embed.embedding, reader.take(f"{name}.weight", tuple(embed.embedding.shape)))
+
+
+def export_embedding(out: dict, name: str, embed, dtype) -> None:
+    out[f"{name}.weight"] = array(embed.embedding, dtype)
+
+
+# What a model's `_tensors()` walk names: (checkpoint name, module, kind).
+_LOADERS = {
+    "embedding": load_embedding, "norm": load_norm, "mixer": load_mixer,
+    "linear": load_linear,
+    "linear_heads_in": lambda reader, name, module: load_linear(reader, name, module, 2),
+}
+_EXPORTERS = {
+    "embedding": export_embedding, "norm": export_norm, "mixer": export_mixer,
+    "linear": export_linear,
+    "linear_heads_in": lambda out, name, module, dtype: export_linear(out, name, module, dtype,
+                                                                      2),
+}
+
+
+def load_tensors(reader: TensorReader, walk: Iterable[tuple[str, Any, str]]) -> None:
+    """Every (name, module, kind) of a model's walk from the checkpoint: "embedding" (an nnx
+    Embed), "norm" (RMSNorm), "mixer" (`flax_layers.Mamba2`), "linear" (Linear or
+    LinearGeneral, inputs first) or "linear_heads_in" (LinearGeneral over (heads, head_dim))."""
+    for name, module, kind in walk:
+        _LOADERS[kind](reader, name, module)
+
+
+def export_tensors(walk: Iterable[tuple[str, Any, str]], dtype) -> dict[str, np.ndarray]:
+    """`load_tensors`' inverse: the walk's tensors in `dtype`, by name."""
+    out = {}
+    for name, module, kind in walk:
+        _EXPORTERS[kind](out, name, module, dtype)
+    return out
+
+
 def check_all_set(model) -> None:
     """A ValueError naming a parameter the checkpoint did not give (still abstract)."""
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -246,6 +287,10 @@ def from_pretrained(model_class, config_class, source, config, param_dtype, over
     if config is None:
         if found is None:
             raise ValueError("the checkpoint has no config.json: pass config=")
+        if not (found.get("dtype") or found.get("torch_dtype")):  # mamba_ssm's: the tensors'
+            floating = [v.dtype for v in tensors.values() if jnp.issubdtype(v.dtype, jnp.floating)]
+            if floating:
+                found = {**found, "dtype": max(set(floating), key=floating.count).name}
         config = config_class.from_dict(found, **overrides)
     elif overrides:
         config = dataclasses.replace(config, **overrides)

@@ -20,7 +20,7 @@ class CausalLM(nnx.Module):
     """A language model that `generate` samples from. A subclass has a `config` with
     `vocab_size` and `dtype` (the compute dtype, or None), and provides
     `init_cache(batch, max_length, *, kv_dtype=None, page_size=None)` (empty decode caches),
-    `_check_decode(batch, new, segment_ids)` (a ValueError unless the caches take the tokens)
+    `_check_decode(batch, new)` (a ValueError unless the caches take `new` tokens a row)
     and `_forward(tokens, segment_ids, decode, lengths, fresh, logits_at=None)` (logits
     float32; with `fresh` the caches were just initialised, with `logits_at` (B,) only the
     logits at those positions, (B, 1, V)), which `_inputs` and `_logits` begin and end."""
@@ -29,7 +29,10 @@ class CausalLM(nnx.Module):
         """`_forward`'s checks: (lengths as int32 or None, in_vocab (B, T) bool)."""
         check_tokens("tokens", tokens, self.config.vocab_size)
         if decode:
-            self._check_decode(*tokens.shape, segment_ids)
+            if segment_ids is not None:
+                raise ValueError("decode=True continues one sequence per row: it takes no "
+                                 "segment_ids")
+            self._check_decode(*tokens.shape)
         if lengths is not None:
             if not decode:
                 raise ValueError("lengths is for decode=True (a forward takes segment_ids)")
@@ -119,7 +122,7 @@ def _prefill_rows(batch, t):
     "max_new_tokens", "greedy", "top_k", "nucleus", "kv_dtype", "page_size", "prefill_rows"))
 def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_tokens, *,
               max_new_tokens, greedy, top_k, nucleus, kv_dtype, page_size, prefill_rows):
-    """`HybridLM.generate`: the prefill (in groups of `prefill_rows` rows, `_prefill`) and its
+    """`CausalLM.generate`: the prefill (in groups of `prefill_rows` rows, `_prefill`) and its
     token, then the decode loop (a `lax.while_loop` whose carry holds the caches, so XLA
     updates them in place), each step a forward of the last token and a sample."""
     state = _weights_in(state, nnx.merge(graphdef, state).config.dtype)

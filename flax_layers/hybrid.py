@@ -231,10 +231,10 @@ class HybridLM(CausalLM):
         h = reorder_sequence(h, h_order, order)
         return self._logits(h, in_vocab, logits_at, self.final_norm, self.embed.attend)
 
-    def _check_decode(self, batch, new, segment_ids):
-        """A ValueError, before any cache changes, unless `new` tokens of `batch` rows (without
-        segment ids) fit every cache (see `KVCache.check_fits`) and the parameters are whole
-        (the decode path does not run tensor-parallel)."""
+    def _check_decode(self, batch, new):
+        """A ValueError, before any cache changes, unless `new` tokens of `batch` rows fit
+        every cache (see `KVCache.check_fits`) and the parameters are whole (the decode path
+        does not run tensor-parallel)."""
         if self.kv_caches is None:
             raise ValueError("decode=True needs init_cache(batch_size, max_length) first")
         sharded = sharded_parameters(self)
@@ -242,9 +242,6 @@ class HybridLM(CausalLM):
             raise ValueError(f"decode=True needs whole parameters; {sharded[0]} (and "
                              f"{len(sharded) - 1} more) are sharded: merge the model from "
                              "flax_layers.gather_parameters(state, axes=None)")
-        if segment_ids is not None:
-            raise ValueError("decode=True continues one sequence per row: it takes no "
-                             "segment_ids")
         for block in self.blocks:
             block.mixer.check_cache(batch)
         for slot in self.kv_caches:

@@ -3,8 +3,8 @@ Mamba2 layers) with checkpoint loading and export."""
 
 import dataclasses
 import json
-import math
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -18,6 +18,7 @@ from flax_layers._checks import (
     check_dtypes,
     check_flags,
     check_implementation,
+    check_positive_numbers,
     check_sizes,
 )
 from flax_layers._sharding import logical, token_features
@@ -62,17 +63,19 @@ class Mamba2LMConfig:
                     self.ngroups, self.chunk_size)
         check_flags(bias=self.bias, conv_bias=self.conv_bias,
                     residual_in_fp32=self.residual_in_fp32, tie_embeddings=self.tie_embeddings)
-        if not (isinstance(self.norm_eps, float | int) and math.isfinite(self.norm_eps)
-                and self.norm_eps > 0):
-            raise ValueError(f"norm_eps must be a finite number > 0, got {self.norm_eps!r}")
+        check_positive_numbers(norm_eps=self.norm_eps)
+        if self.norm_eps is None:
+            raise TypeError("norm_eps must be a number, got None")
         object.__setattr__(self, "dt_limit", arguments.check_dt_limit(tuple(self.dt_limit)))
         check_dtypes(dtype=self.dtype)
         check_implementation(self.implementation)
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], **overrides: Any) -> Self:
-        """From transformers' Mamba2Config dict or mamba_ssm's config.json dict; `overrides`
-        (dtype, implementation, chunk_size, ...) replace fields."""
+        """From transformers' Mamba2Config dict (its defaults where a field is missing) or
+        mamba_ssm's config.json dict; `overrides` (dtype, implementation, chunk_size, ...)
+        replace fields. With n_groups > 1 a warning: transformers' own inference normalises
+        the gated RMSNorm over all channels, this model (as mamba_ssm) per group."""
         if "ssm_cfg" in config or "n_layer" in config:
             return cls._from_mamba_ssm(config, **overrides)
         if config.get("model_type", "mamba2") != "mamba2":
@@ -81,8 +84,8 @@ class Mamba2LMConfig:
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"Mamba2 uses hidden_act 'silu', got {config['hidden_act']!r}")
         fields = dict(
-            vocab_size=config["vocab_size"], d_model=config["hidden_size"],
-            num_layers=config["num_hidden_layers"], d_state=config.get("state_size", 128),
+            vocab_size=config.get("vocab_size", 32768), d_model=config.get("hidden_size", 4096),
+            num_layers=config.get("num_hidden_layers", 64), d_state=config.get("state_size", 128),
             headdim=config.get("head_dim", 64), ngroups=config.get("n_groups", 8),
             expand=config.get("expand", 2), d_conv=config.get("conv_kernel", 4),
             chunk_size=config.get("chunk_size", 256),
@@ -98,14 +101,22 @@ class Mamba2LMConfig:
         if heads is not None and heads * fields["headdim"] != fields["expand"] * fields["d_model"]:
             raise ValueError(f"num_heads * head_dim ({heads} * {fields['headdim']}) must equal "
                              f"expand * hidden_size ({fields['expand']} * {fields['d_model']})")
+        if fields["ngroups"] > 1:
+            warnings.warn(
+                f"n_groups={fields['ngroups']}: this Mamba2LM normalises the gated RMSNorm per "
+                "group, as mamba_ssm's kernels (which trained the published models) do; "
+                "transformers' inference normalises over all channels, so its logits differ",
+                stacklevel=2)
         return cls(**{**fields, **overrides})
 
     @classmethod
     def _from_mamba_ssm(cls, config, **overrides):
         ssm = dict(config.get("ssm_cfg", {}))
-        if ssm.get("layer", "Mamba2") != "Mamba2":
+        if ssm.get("layer", "Mamba1") != "Mamba2":  # mamba_ssm's default layer is Mamba1
             raise ValueError(f"a Mamba2LM loads Mamba2 layers, got ssm_cfg layer "
-                             f"{ssm.get('layer')!r}")
+                             f"{ssm.get('layer', 'Mamba1 (the default)')!r}")
+        if ssm.get("d_ssm") is not None:
+            raise ValueError("ssm_cfg d_ssm (a gated MLP beside the SSM) is not supported")
         if config.get("d_intermediate", 0) or config.get("attn_layer_idx"):
             raise ValueError("mamba_ssm configs with MLP (d_intermediate) or attention layers "
                              "(attn_layer_idx) are not a Mamba2LM")
@@ -115,7 +126,7 @@ class Mamba2LMConfig:
                                 ("D_has_hdim", False)):
             if ssm.get(option, default) != default:
                 raise ValueError(f"ssm_cfg {option}={ssm[option]!r} is not supported")
-        multiple = config.get("pad_vocab_size_multiple", 1)
+        multiple = config.get("pad_vocab_size_multiple", 8)  # mamba_ssm's default
         vocab = -(-config["vocab_size"] // multiple) * multiple
         fields = dict(
             vocab_size=vocab, d_model=config["d_model"], num_layers=config["n_layer"],
@@ -136,6 +147,7 @@ class Mamba2LMConfig:
         source = json.loads(self.source) if self.source else {}
         if "ssm_cfg" in source or "n_layer" in source:
             source = {}
+        source.pop("torch_dtype", None)  # `dtype` below replaces it
         return {**source, **dict(
             architectures=["Mamba2ForCausalLM"], model_type="mamba2",
             vocab_size=self.vocab_size, hidden_size=self.d_model,
@@ -151,15 +163,16 @@ class Mamba2LMConfig:
 
 
 class _Block(nnx.Module):
-    def __init__(self, config, index, rngs):
+    def __init__(self, config, index, param_dtype, rngs):
         self.norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, dtype=config.dtype,
-                                scale_metadata=logical("embed"), rngs=rngs)
+                                param_dtype=param_dtype, scale_metadata=logical("embed"),
+                                rngs=rngs)
         self.mixer = Mamba2(
             config.d_model, d_state=config.d_state, d_conv=config.d_conv, expand=config.expand,
             headdim=config.headdim, ngroups=config.ngroups, chunk_size=config.chunk_size,
             norm_eps=config.norm_eps, dt_limit=config.dt_limit, bias=config.bias,
             conv_bias=config.conv_bias, layer_idx=index, dtype=config.dtype,
-            implementation=config.implementation, rngs=rngs,
+            param_dtype=param_dtype, implementation=config.implementation, rngs=rngs,
         )
 
 
@@ -174,10 +187,13 @@ class Mamba2LM(CausalLM):
     in one compiled call. `from_pretrained` loads transformers' or mamba_ssm's checkpoints;
     `state_dict` and `save_pretrained` export them.
 
-    Where transformers differs: its pure-PyTorch path normalises the gated RMSNorm over all
-    d_inner channels whatever n_groups; mamba_ssm's kernels (which trained the published
-    models, and transformers' CUDA path) and this model normalise each group. The two agree
-    at n_groups = 1.
+    Where the references differ:
+    - transformers' inference (its fused kernel runs only in training) normalises the gated
+      RMSNorm over all d_inner channels whatever n_groups; mamba_ssm's kernels, which trained
+      the published models, and this model normalise each group. They agree at n_groups = 1.
+    - A step size limit (`dt_limit`) clamps the decode step here as in the forward, so that
+      decoding gives the forward's outputs; transformers' and mamba_ssm's one-token steps do
+      not clamp. They agree where the limit does not bind (the default (0, inf) never does).
     """
 
     def __init__(self, config: Mamba2LMConfig, *, param_dtype: DTypeLike = jnp.float32,
@@ -188,7 +204,8 @@ class Mamba2LM(CausalLM):
         self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=config.dtype,
                                param_dtype=param_dtype,
                                embedding_metadata=logical("vocab", "embed"), rngs=rngs)
-        self.blocks = nnx.List([_Block(config, i, rngs) for i in range(config.num_layers)])
+        self.blocks = nnx.List([_Block(config, i, param_dtype, rngs)
+                                 for i in range(config.num_layers)])
         self.norm_f = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, dtype=config.dtype,
                                   param_dtype=param_dtype, scale_metadata=logical("embed"),
                                   rngs=rngs)
@@ -217,17 +234,12 @@ class Mamba2LM(CausalLM):
         if self.config.residual_in_fp32:
             h = h.astype(jnp.float32)
         for block in self.blocks:
-            x = block.norm(h)
-            if self.config.dtype is not None:
-                x = x.astype(self.config.dtype)
-            h = h + block.mixer(x, seq_idx=segment_ids, decode=decode, lengths=lengths)
+            h = h + block.mixer(block.norm(h), seq_idx=segment_ids, decode=decode,
+                                lengths=lengths)
         return self._logits(h, in_vocab, logits_at, self.norm_f,
                             self.embed.attend if self.lm_head is None else self.lm_head)
 
-    def _check_decode(self, batch, new, segment_ids):
-        if segment_ids is not None:
-            raise ValueError("decode=True continues one sequence per row: it takes no "
-                             "segment_ids")
+    def _check_decode(self, batch, new):
         for block in self.blocks:
             block.mixer.check_cache(batch)
 
@@ -247,37 +259,37 @@ class Mamba2LM(CausalLM):
         every tensor must be used, with the shape the config gives it."""
         return io.from_pretrained(cls, Mamba2LMConfig, source, config, param_dtype, overrides)
 
-    def _load(self, reader):
-        embedding = ("backbone.embedding.weight" if "backbone.embedding.weight" in reader
-                     else "backbone.embeddings.weight")
-        io.set_param(self.embed.embedding, reader.take(embedding, tuple(
-            self.embed.embedding.shape)))
+    def _tensors(self, names="transformers"):
+        """(checkpoint name, module, kind) of every parameter (`io.load_tensors`), in
+        transformers' names or mamba_ssm's (the embedding's only differs)."""
+        embedding = "embedding" if names == "mamba_ssm" else "embeddings"
+        yield f"backbone.{embedding}", self.embed, "embedding"
         for i, block in enumerate(self.blocks):
-            io.load_norm(reader, f"backbone.layers.{i}.norm", block.norm)
-            io.load_mixer(reader, f"backbone.layers.{i}.mixer", block.mixer)
-        io.load_norm(reader, "backbone.norm_f", self.norm_f)
+            yield f"backbone.layers.{i}.norm", block.norm, "norm"
+            yield f"backbone.layers.{i}.mixer", block.mixer, "mixer"
+        yield "backbone.norm_f", self.norm_f, "norm"
         if self.lm_head is not None:
-            io.load_linear(reader, "lm_head", self.lm_head)
-        else:
-            reader.skip(["lm_head.weight"])  # a tied copy, where written
+            yield "lm_head", self.lm_head, "linear"
+
+    def _load(self, reader):
+        names = "mamba_ssm" if "backbone.embedding.weight" in reader else "transformers"
+        io.load_tensors(reader, self._tensors(names))
+        if self.lm_head is None:
+            embedding = "embedding" if names == "mamba_ssm" else "embeddings"
+            reader.tied("lm_head.weight", f"backbone.{embedding}.weight")
 
     def state_dict(self, *, dtype: DTypeLike | None = None,
                    names: str = "transformers") -> dict[str, Any]:
         """The parameters as numpy arrays in transformers' layout and names (`names=
-        "mamba_ssm"`: mamba_ssm's), in `dtype` (default: the dtype the source checkpoint
-        recorded, else float32)."""
+        "mamba_ssm"`: mamba_ssm's, with a tied LM head written under its own name too, as
+        mamba_ssm's state dict holds it), in `dtype` (default: the dtype the source
+        checkpoint recorded, else float32)."""
         if names not in ("transformers", "mamba_ssm"):
             raise ValueError(f"names must be 'transformers' or 'mamba_ssm', got {names!r}")
-        dtype = jnp.dtype(dtype or io.source_dtype(self.config))
-        out = {}
-        embedding = "embedding" if names == "mamba_ssm" else "embeddings"
-        out[f"backbone.{embedding}.weight"] = io.array(self.embed.embedding, dtype)
-        for i, block in enumerate(self.blocks):
-            io.export_norm(out, f"backbone.layers.{i}.norm", block.norm, dtype)
-            io.export_mixer(out, f"backbone.layers.{i}.mixer", block.mixer, dtype)
-        io.export_norm(out, "backbone.norm_f", self.norm_f, dtype)
-        if self.lm_head is not None:
-            io.export_linear(out, "lm_head", self.lm_head, dtype)
+        out = io.export_tensors(self._tensors(names),
+                                jnp.dtype(dtype or io.source_dtype(self.config)))
+        if names == "mamba_ssm" and self.lm_head is None:
+            out["lm_head.weight"] = out["backbone.embedding.weight"]
         return out
 
     def save_pretrained(self, directory: str | os.PathLike, *,

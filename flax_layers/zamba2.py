@@ -2,13 +2,14 @@
 
 import dataclasses
 import json
-import math
+import numbers
 import os
 from collections.abc import Mapping
 from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.typing import DTypeLike
 
@@ -17,6 +18,7 @@ from flax_layers._checks import (
     check_dtypes,
     check_flags,
     check_implementation,
+    check_positive_numbers,
     check_sizes,
 )
 from flax_layers._sharding import logical, token_features
@@ -81,7 +83,8 @@ class Zamba2Config:
                     mamba_heads=self.mamba_heads, mlp_hidden=self.mlp_hidden,
                     num_mem_blocks=self.num_mem_blocks, adapter_rank=self.adapter_rank)
         object.__setattr__(self, "hybrid_layers", tuple(self.hybrid_layers))
-        if (not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.hybrid_layers)
+        if (not all(isinstance(i, numbers.Integral) and not isinstance(i, bool | np.bool_)
+                    and 0 <= i < self.num_layers for i in self.hybrid_layers)
                 or list(self.hybrid_layers) != sorted(set(self.hybrid_layers))):
             raise ValueError(f"hybrid_layers must be increasing layer indices in [0, "
                              f"{self.num_layers}), got {self.hybrid_layers}")
@@ -99,11 +102,16 @@ class Zamba2Config:
             raise ValueError(f"hidden_act must be one of {sorted(_ACTIVATIONS)}, got "
                              f"{self.hidden_act!r}")
         for name in ("dt_min", "norm_eps"):
-            value = getattr(self, name)
-            if not (isinstance(value, float | int) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+            if getattr(self, name) is None:
+                raise TypeError(f"{name} must be a number, got None")
+        check_positive_numbers(dt_min=self.dt_min, norm_eps=self.norm_eps)
         check_flags(attention_adapters=self.attention_adapters, bias=self.bias,
                     tie_embeddings=self.tie_embeddings)
+        if not self.tie_embeddings and len(self.hybrid_layers) > self.num_mem_blocks:
+            raise ValueError(
+                "tie_embeddings=False with more hybrid layers than num_mem_blocks: transformers "
+                "then unties the shared blocks as well (each hybrid layer its own), which this "
+                "model does not build")
         check_dtypes(dtype=self.dtype)
         check_implementation(self.implementation)
 
@@ -141,13 +149,16 @@ class Zamba2Config:
         if config.get("use_long_context", False):
             raise ValueError("use_long_context (rescaled rotary embeddings) is not supported")
         d_model, layers = config.get("hidden_size", 2560), config.get("num_hidden_layers", 54)
-        hybrid = config.get("hybrid_layer_ids")
-        if hybrid is None:
-            types = config.get("layers_block_type")
-            if types is None:
-                raise ValueError("the config names no hybrid layers (hybrid_layer_ids or "
-                                 "layers_block_type)")
-            hybrid = [i for i, kind in enumerate(types) if kind == "hybrid"]
+        types, hybrid = config.get("layers_block_type"), config.get("hybrid_layer_ids")
+        if types is not None:  # what transformers builds the layers from
+            from_types = [i for i, kind in enumerate(types) if kind == "hybrid"]
+            if hybrid is not None and list(hybrid) != from_types:
+                raise ValueError(f"hybrid_layer_ids {list(hybrid)} disagrees with "
+                                 f"layers_block_type's hybrid layers {from_types}")
+            hybrid = from_types
+        elif hybrid is None:
+            raise ValueError("the config names no hybrid layers (layers_block_type or "
+                             "hybrid_layer_ids)")
         rope = config.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"rope_type {rope['rope_type']!r} is not supported")
@@ -177,6 +188,7 @@ class Zamba2Config:
     def to_transformers(self, dtype: DTypeLike = jnp.float32) -> dict[str, Any]:
         """transformers' Zamba2Config dict (config.json), over the source's other fields."""
         source = json.loads(self.source) if self.source else {}
+        source.pop("torch_dtype", None)  # `dtype` below replaces it
         types = ["hybrid" if i in self.hybrid_layers else "mamba" for i in range(self.num_layers)]
         if "layers_block_type" in source:  # as the source spelled the Mamba2 layers
             mamba_name = next((t for t in source["layers_block_type"] if t != "hybrid"), "mamba")
@@ -293,6 +305,10 @@ class Zamba2LM(CausalLM):
     each row's cached sequence (KV caches per hybrid layer, conv and SSM states per Mamba2
     layer). `generate` samples in one compiled call. `from_pretrained` loads transformers'
     checkpoints; `state_dict` and `save_pretrained` export them.
+
+    Where transformers differs: its one-token decode step does not clamp the step sizes at
+    `dt_min` (its forward does); here decoding clamps as the forward does, so that a decoded
+    sequence gives the forward's outputs. They agree wherever softplus(dt) >= dt_min.
     """
 
     def __init__(self, config: Zamba2Config, *, param_dtype: DTypeLike = jnp.float32,
@@ -357,12 +373,9 @@ class Zamba2LM(CausalLM):
         return self._logits(h, in_vocab, logits_at, self.final_norm,
                             self.embed.attend if self.lm_head is None else self.lm_head)
 
-    def _check_decode(self, batch, new, segment_ids):
+    def _check_decode(self, batch, new):
         if self.kv_caches is None:
             raise ValueError("decode=True needs init_cache(batch_size, max_length) first")
-        if segment_ids is not None:
-            raise ValueError("decode=True continues one sequence per row: it takes no "
-                             "segment_ids")
         for layer in self.layers:
             layer.mixer.check_cache(batch)
         for slot in self.kv_caches:
@@ -370,18 +383,48 @@ class Zamba2LM(CausalLM):
 
     # -----------------------------------------------------------------------------------------
     # Checkpoints, in transformers' names: model.embed_tokens, model.layers.{i}.mamba (or
-    # .mamba_decoder.mamba for a hybrid layer, with its .linear), the shared blocks under the
-    # first hybrid layer that uses each (model.layers.{i}.shared_transformer), adapters indexed
-    # by the hybrid layer's rank among them.
+    # .mamba_decoder.mamba for a hybrid layer, with its .linear), each shared block under the
+    # first hybrid layer that uses it (model.layers.{i}.shared_transformer), its adapters
+    # indexed by the hybrid layers' order.
 
-    def _block_prefixes(self):
-        return [f"model.layers.{self.config.hybrid_layers[b]}.shared_transformer"
-                for b in range(len(self.shared))]
+    def _block_prefix(self, use):
+        """Where the shared block of the `use`-th hybrid layer is saved."""
+        layer = self.config.hybrid_layers[use % len(self.shared)]
+        return f"model.layers.{layer}.shared_transformer"
 
-    def _layer_prefix(self, i):
-        if i in self.config.hybrid_layers:
-            return f"model.layers.{i}.mamba_decoder", "mamba"
-        return f"model.layers.{i}", "mamba"
+    def _tensors(self):
+        """(checkpoint name, module, kind) of every parameter (`io.load_tensors`)."""
+        yield "model.embed_tokens", self.embed, "embedding"
+        for i, layer in enumerate(self.layers):
+            prefix = (f"model.layers.{i}.mamba_decoder" if i in self.config.hybrid_layers
+                      else f"model.layers.{i}")
+            yield f"{prefix}.input_layernorm", layer.norm, "norm"
+            yield f"{prefix}.mamba", layer.mixer, "mixer"
+        for use, i in enumerate(self.config.hybrid_layers):
+            yield f"model.layers.{i}.linear", self.linears[use], "linear"
+        for b, block in enumerate(self.shared):
+            prefix = self._block_prefix(b)
+            yield f"{prefix}.input_layernorm", block.input_layernorm, "norm"
+            yield f"{prefix}.pre_ff_layernorm", block.pre_ff_layernorm, "norm"
+            attention = block.attention
+            for name, projection in zip("qkv", (attention.query, attention.key,
+                                                attention.value), strict=True):
+                yield f"{prefix}.self_attn.{name}_proj", projection, "linear"
+            yield f"{prefix}.self_attn.o_proj", attention.out, "linear_heads_in"
+            yield f"{prefix}.feed_forward.gate_up_proj", block.gate_up, "linear"
+            yield f"{prefix}.feed_forward.down_proj", block.down, "linear"
+            for k, adapters in enumerate(block.adapters):
+                use = b + k * len(self.shared)
+                lists = [("feed_forward.gate_up_proj", adapters.mlp)]
+                if adapters.qkv is not None:
+                    lists += [(f"self_attn.linear_{name}", adapter)
+                              for name, adapter in zip("qkv", adapters.qkv, strict=True)]
+                for name, adapter in lists:
+                    yield f"{prefix}.{name}_adapter_list.{use}.0", adapter.down, "linear"
+                    yield f"{prefix}.{name}_adapter_list.{use}.1", adapter.up, "linear"
+        yield "model.final_layernorm", self.final_norm, "norm"
+        if self.lm_head is not None:
+            yield "lm_head", self.lm_head, "linear"
 
     @classmethod
     def from_pretrained(cls, source: str | os.PathLike | Mapping[str, Any], *,
@@ -389,98 +432,29 @@ class Zamba2LM(CausalLM):
                         param_dtype: DTypeLike = jnp.float32, **overrides: Any) -> Self:
         """A Zamba2LM with the weights of a transformers checkpoint (a directory with
         config.json and safetensors, a single file, or a state dict; see
-        `Mamba2LM.from_pretrained`). Copies of the shared blocks saved under later hybrid
-        layers (tied weights) are skipped."""
+        `Mamba2LM.from_pretrained`). Copies of a shared block saved under its later hybrid
+        layers (tied weights) must equal the first."""
         return io.from_pretrained(cls, Zamba2Config, source, config, param_dtype, overrides)
 
     def _load(self, reader):
-        config = self.config
-        io.set_param(self.embed.embedding, reader.take("model.embed_tokens.weight",
-                                                       tuple(self.embed.embedding.shape)))
-        for i, layer in enumerate(self.layers):
-            prefix, mixer = self._layer_prefix(i)
-            io.load_norm(reader, f"{prefix}.input_layernorm", layer.norm)
-            io.load_mixer(reader, f"{prefix}.{mixer}", layer.mixer)
-        for use, i in enumerate(config.hybrid_layers):
-            io.load_linear(reader, f"model.layers.{i}.linear", self.linears[use])
-        blocks = self._block_prefixes()
-        for b, (block, prefix) in enumerate(zip(self.shared, blocks, strict=True)):
-            io.load_norm(reader, f"{prefix}.input_layernorm", block.input_layernorm)
-            io.load_norm(reader, f"{prefix}.pre_ff_layernorm", block.pre_ff_layernorm)
-            attention = block.attention
-            for name, projection in (("q", attention.query), ("k", attention.key),
-                                     ("v", attention.value)):
-                io.load_linear(reader, f"{prefix}.self_attn.{name}_proj", projection)
-            io.load_linear(reader, f"{prefix}.self_attn.o_proj", attention.out, in_axes=2)
-            io.load_linear(reader, f"{prefix}.feed_forward.gate_up_proj", block.gate_up)
-            io.load_linear(reader, f"{prefix}.feed_forward.down_proj", block.down)
-            for k, adapters in enumerate(block.adapters):
-                use = b + k * len(self.shared)
-                _load_low_rank(reader, f"{prefix}.feed_forward.gate_up_proj_adapter_list.{use}",
-                               adapters.mlp)
-                if adapters.qkv is not None:
-                    for name, adapter in zip("qkv", adapters.qkv, strict=True):
-                        _load_low_rank(
-                            reader, f"{prefix}.self_attn.linear_{name}_adapter_list.{use}",
-                            adapter)
-        tied = tuple(f"model.layers.{i}.shared_transformer." for i in config.hybrid_layers
-                     if f"model.layers.{i}.shared_transformer" not in blocks)
-        reader.skip([name for name in reader.tensors if name.startswith(tied)])
-        io.load_norm(reader, "model.final_layernorm", self.final_norm)
-        if self.lm_head is not None:
-            io.load_linear(reader, "lm_head", self.lm_head)
-        else:
-            reader.skip(["lm_head.weight"])
+        io.load_tensors(reader, self._tensors())
+        for use, i in enumerate(self.config.hybrid_layers[len(self.shared):],
+                                start=len(self.shared)):
+            copy, original = f"model.layers.{i}.shared_transformer.", self._block_prefix(use)
+            for name in [n for n in reader.tensors if n.startswith(copy)]:
+                reader.tied(name, original + "." + name[len(copy):])
+        if self.lm_head is None:
+            reader.tied("lm_head.weight", "model.embed_tokens.weight")
 
     def state_dict(self, *, dtype: DTypeLike | None = None) -> dict[str, Any]:
         """The parameters as numpy arrays in transformers' layout and names (what its
         `save_pretrained` writes: each shared block once), in `dtype` (default: the dtype the
         source checkpoint recorded, else float32)."""
-        dtype = jnp.dtype(dtype or io.source_dtype(self.config))
-        out = {"model.embed_tokens.weight": io.array(self.embed.embedding, dtype)}
-        for i, layer in enumerate(self.layers):
-            prefix, mixer = self._layer_prefix(i)
-            io.export_norm(out, f"{prefix}.input_layernorm", layer.norm, dtype)
-            io.export_mixer(out, f"{prefix}.{mixer}", layer.mixer, dtype)
-        for use, i in enumerate(self.config.hybrid_layers):
-            io.export_linear(out, f"model.layers.{i}.linear", self.linears[use], dtype)
-        for b, (block, prefix) in enumerate(zip(self.shared, self._block_prefixes(),
-                                                strict=True)):
-            io.export_norm(out, f"{prefix}.input_layernorm", block.input_layernorm, dtype)
-            io.export_norm(out, f"{prefix}.pre_ff_layernorm", block.pre_ff_layernorm, dtype)
-            attention = block.attention
-            for name, projection in (("q", attention.query), ("k", attention.key),
-                                     ("v", attention.value)):
-                io.export_linear(out, f"{prefix}.self_attn.{name}_proj", projection, dtype)
-            io.export_linear(out, f"{prefix}.self_attn.o_proj", attention.out, dtype, in_axes=2)
-            io.export_linear(out, f"{prefix}.feed_forward.gate_up_proj", block.gate_up, dtype)
-            io.export_linear(out, f"{prefix}.feed_forward.down_proj", block.down, dtype)
-            for k, adapters in enumerate(block.adapters):
-                use = b + k * len(self.shared)
-                _export_low_rank(out, f"{prefix}.feed_forward.gate_up_proj_adapter_list.{use}",
-                                 adapters.mlp, dtype)
-                if adapters.qkv is not None:
-                    for name, adapter in zip("qkv", adapters.qkv, strict=True):
-                        _export_low_rank(
-                            out, f"{prefix}.self_attn.linear_{name}_adapter_list.{use}",
-                            adapter, dtype)
-        io.export_norm(out, "model.final_layernorm", self.final_norm, dtype)
-        if self.lm_head is not None:
-            io.export_linear(out, "lm_head", self.lm_head, dtype)
-        return out
+        return io.export_tensors(self._tensors(),
+                                 jnp.dtype(dtype or io.source_dtype(self.config)))
 
     def save_pretrained(self, directory: str | os.PathLike, *,
                         dtype: DTypeLike | None = None) -> str:
         """Writes config.json (transformers' Zamba2Config) and model.safetensors into
         `directory`, which transformers' `Zamba2ForCausalLM.from_pretrained` reads."""
         return io.save_pretrained(self, directory, dtype)
-
-
-def _load_low_rank(reader, prefix, adapter):
-    io.load_linear(reader, f"{prefix}.0", adapter.down)
-    io.load_linear(reader, f"{prefix}.1", adapter.up)
-
-
-def _export_low_rank(out, prefix, adapter, dtype):
-    io.export_linear(out, f"{prefix}.0", adapter.down, dtype)
-    io.export_linear(out, f"{prefix}.1", adapter.up, dtype)

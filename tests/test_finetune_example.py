@@ -4,6 +4,7 @@
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,10 @@ spec.loader.exec_module(finetune)
 def test_a_checkpoint_fine_tunes_and_saves_in_its_format(tmp_path, capsys, name, model_class,
                                                          text):
     (tmp_path / "text.txt").write_text(text)
-    out = tmp_path / "out"
-    code = finetune.main([str(FIXTURES / name), "--text", str(tmp_path / "text.txt"),
+    checkpoint, out = tmp_path / name, tmp_path / "out"
+    shutil.copytree(FIXTURES / name, checkpoint)
+    (checkpoint / "generation_config.json").write_text('{"do_sample": false}')
+    code = finetune.main([str(checkpoint), "--text", str(tmp_path / "text.txt"),
                           "--out", str(out), "--steps", "4", "--batch-size", "2",
                           "--seq-len", "48", "--lr", "1e-2", "--log-every", "2"])
     printed = capsys.readouterr().out
@@ -39,6 +42,7 @@ def test_a_checkpoint_fine_tunes_and_saves_in_its_format(tmp_path, capsys, name,
     assert all(after[k].dtype == before[k].dtype for k in before)
     assert any(not np.array_equal(after[k], before[k]) for k in before)
     assert json.loads((out / "config.json").read_text())["model_type"] == name
+    assert (out / "generation_config.json").read_text() == '{"do_sample": false}'
     model_class.from_pretrained(out)
 
 
@@ -46,6 +50,8 @@ def test_a_checkpoint_fine_tunes_and_saves_in_its_format(tmp_path, capsys, name,
     (lambda d: None, [], "no config.json"),
     (lambda d: (d / "config.json").write_text('{"model_type": "llama"}'), [],
      "model_type 'llama' is not one of"),
+    (lambda d: (d / "config.json").write_text('{"model_type": "zamba2"}'), [],
+     "has no vocab_size"),
     (lambda d: (d / "config.json").write_text('{"model_type": "mamba2", "vocab_size": 64}'),
      [], "the text has byte 1[0-9][0-9], the model's vocabulary holds 64"),
     (lambda d: (d / "config.json").write_text('{"model_type": "mamba2", "vocab_size": 256}'),

@@ -140,3 +140,57 @@ def test_the_zamba2_1p2b_preset_has_its_published_size():
     model = nnx.eval_shape(lambda: Zamba2LM(config, rngs=nnx.Rngs(0)))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert 1.20e9 < params < 1.24e9  # 1.22 B as published
+
+
+def test_tied_copies_must_equal_what_they_copy():
+    """A Zamba2 checkpoint may hold each later use's copy of a shared block (and a tied LM
+    head): equal copies load, a differing one is an error, not silently dropped."""
+    source = load_file(FIXTURES / "zamba2" / "model.safetensors")
+    config = Zamba2Config.from_dict(json.loads((FIXTURES / "zamba2" / "config.json")
+                                               .read_text()))
+    # The third hybrid layer (4) uses block A, saved under the first (1).
+    copies = {k.replace("layers.1.shared_transformer", "layers.4.shared_transformer"): v
+              for k, v in source.items() if k.startswith("model.layers.1.shared_transformer")}
+    tied = {**source, **copies, "lm_head.weight": source["model.embed_tokens.weight"]}
+    tokens = jnp.asarray(_expected("zamba2")["tokens_37"])
+    np.testing.assert_array_equal(
+        np.asarray(Zamba2LM.from_pretrained(tied, config=config)(tokens)),
+        np.asarray(Zamba2LM.from_pretrained(source, config=config)(tokens)))
+    name = "model.layers.4.shared_transformer.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match="tied copy of model.layers.1.shared_transformer"):
+        Zamba2LM.from_pretrained({**tied, name: tied[name] + 1}, config=config)
+
+
+def test_configs_transformers_would_build_otherwise_are_refused():
+    config = json.loads((FIXTURES / "zamba2" / "config.json").read_text())
+    with pytest.raises(ValueError, match="unties the shared blocks"):
+        Zamba2Config.from_dict({**config, "tie_word_embeddings": False})
+    with pytest.raises(ValueError, match="disagrees with layers_block_type"):
+        Zamba2Config.from_dict({**config, "hybrid_layer_ids": [1, 3]})
+    with pytest.raises(TypeError, match="norm_eps must be a number"):
+        Zamba2Config(norm_eps=True)
+    hf = json.loads((FIXTURES / "mamba2" / "config.json").read_text())
+    with pytest.warns(UserWarning, match="n_groups=2: this Mamba2LM normalises"):
+        Mamba2LMConfig.from_dict({**hf, "n_groups": 2})
+    mamba_ssm = dict(d_model=32, n_layer=2, vocab_size=100, ssm_cfg={})
+    with pytest.raises(ValueError, match="Mamba1"):  # mamba_ssm's default layer
+        Mamba2LMConfig.from_dict(mamba_ssm)
+    padded = Mamba2LMConfig.from_dict({**mamba_ssm, "ssm_cfg": {"layer": "Mamba2",
+                                                                "headdim": 16}})
+    assert padded.vocab_size == 104  # padded to mamba_ssm's default multiple of 8
+
+
+def test_mamba_ssm_state_dicts_hold_a_tied_head_under_both_names():
+    hf = json.loads((FIXTURES / "mamba2" / "config.json").read_text())
+    source = load_file(FIXTURES / "mamba2" / "model.safetensors")
+    del source["lm_head.weight"]
+    model = Mamba2LM.from_pretrained(
+        source, config=Mamba2LMConfig.from_dict({**hf, "tie_word_embeddings": True}),
+        param_dtype=jnp.bfloat16)
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        # the SSM's A_log, D and dt_bias stay float32, as mamba_ssm keeps them
+        want = jnp.float32 if path[-1] in ("A_log", "D", "dt_bias") else jnp.bfloat16
+        assert variable.get_value().dtype == want, path
+    state = model.state_dict(names="mamba_ssm")
+    np.testing.assert_array_equal(state["lm_head.weight"], state["backbone.embedding.weight"])
+    assert "lm_head.weight" not in model.state_dict()
