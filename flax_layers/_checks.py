@@ -40,11 +40,12 @@ def check_dtypes(**dtypes):
             raise TypeError(f"{name} must be a floating dtype or None, got {dtype!r}")
 
 
-def check_implementation(implementation):
-    """`implementation` must be one of the kernels' implementations or None."""
-    if implementation not in (None, *IMPLEMENTATIONS):
-        raise ValueError(
-            f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+def check_implementation(implementation, *, name="implementation", attention=False):
+    """`implementation` must be one of the kernels' implementations or None (for attention
+    also "cudnn", jax.nn's cuDNN attention)."""
+    allowed = (*IMPLEMENTATIONS, "cudnn") if attention else IMPLEMENTATIONS
+    if implementation not in (None, *allowed):
+        raise ValueError(f"{name} must be one of {allowed} or None, got {implementation!r}")
 
 
 def check_positive_numbers(**numbers_or_none):

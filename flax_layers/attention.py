@@ -217,12 +217,14 @@ class FlashMultiHeadAttention(nnx.Module):
     logits scaled by `scale` (default 1/sqrt(head_dim)), `is_causal`, `local_window_size`,
     `logits_soft_cap` (as `pallas_kernels.dot_product_attention`, checked here with the
     kernel's own checks so that the forward and the decode path reject the same values) and
-    rotary embeddings with base `rope_theta`. On a mesh whose sequence axis shards the tokens,
-    `context_parallelism` ("all_gather" or "ring") picks how the devices share keys and values,
-    and `sequence_order` says how the tokens lie on the devices ("contiguous", or "zigzag": put
-    in `pallas_kernels.zigzag` order once, with their segment ids; positions follow). Every
-    argument is checked at construction (ValueError or TypeError naming it). nnx's dropout and
-    QK normalisation are not offered (the kernels have no dropout).
+    rotary embeddings with base `rope_theta`; `implementation` as the kernels' (or "cudnn":
+    jax.nn's cuDNN attention for the forward and its gradient, the kernels for decoding). On a
+    mesh whose sequence axis shards the tokens, `context_parallelism` ("all_gather" or "ring")
+    picks how the devices share keys and values, and `sequence_order` says how the tokens lie
+    on the devices ("contiguous", or "zigzag": put in `pallas_kernels.zigzag` order once, with
+    their segment ids; positions follow). Every argument is checked at construction
+    (ValueError or TypeError naming it). nnx's dropout and QK normalisation are not offered
+    (the kernels have no dropout).
 
     `__call__(inputs_q (B, T, F), inputs_kv=None, *, q_segment_ids=None, kv_segment_ids=None,
     decode=None, adapter_outputs=None)` returns (B, T, out_features); `adapter_outputs`
@@ -282,7 +284,7 @@ class FlashMultiHeadAttention(nnx.Module):
                         bias_init=bias_init, out_bias_init=out_bias_init)
         check_mappings(kernel_metadata=kernel_metadata, out_kernel_metadata=out_kernel_metadata,
                        bias_metadata=bias_metadata, out_bias_metadata=out_bias_metadata)
-        check_implementation(implementation)
+        check_implementation(implementation, attention=True)
         self.context_parallelism = arguments.check_context_parallelism(context_parallelism)
         self.sequence_order = arguments.check_sequence_order(sequence_order)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
@@ -460,7 +462,8 @@ class FlashMultiHeadAttention(nnx.Module):
         written = KVCache(keys, values, cache.lengths + real, k_scale, v_scale,
                           cache.block_table)
         options = dict(scale=self.scale, local_window_size=self.local_window_size,
-                       logits_soft_cap=self.logits_soft_cap, implementation=self.implementation)
+                       logits_soft_cap=self.logits_soft_cap,
+                       implementation=_kernels_or(self.implementation))
         if fresh:
             out = pallas_kernels.dot_product_attention(
                 query, key, value, is_causal=True, query_seq_lengths=real,
@@ -470,6 +473,12 @@ class FlashMultiHeadAttention(nnx.Module):
                                                                     cache.capacity), options)
         out = jnp.where(fits[:, None, None], self.out(out), jnp.nan)
         return out, written
+
+
+def _kernels_or(implementation):
+    """The implementation of the decode path's kernels: jax.nn's cuDNN attention has no KV
+    cache, so a "cudnn" layer decodes through the kernels (as None picks them)."""
+    return None if implementation == "cudnn" else implementation
 
 
 class KVCacheSlot(nnx.Module):

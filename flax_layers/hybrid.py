@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from flax_layers._checks import check_dtypes, check_implementation, check_sizes
+from flax_layers._checks import check_dtypes, check_flags, check_implementation, check_sizes
 from flax_layers._sharding import (
     logical,
     reorder_sequence,
@@ -31,7 +31,13 @@ class HybridLMConfig:
     not dividing `num_heads`, an odd `attn_head_dim` with `rope_theta`, `expand * d_model`
     not divisible by `ssm_head_dim`, heads not divisible by `ngroups`, `chunk_size` not a power
     of two, ...), a `dtype` that is not a floating dtype or None, an unknown `implementation`,
-    `context_parallelism` or `sequence_order`.
+    `attention_implementation`, `context_parallelism` or `sequence_order`.
+
+    `implementation` picks the kernels or the jnp references for every op;
+    `attention_implementation` (default: the same) may pick "cudnn" for the shared block's
+    attention (jax.nn's cuDNN attention; decoding runs the kernels). With `remat` each block's
+    activations are recomputed in the backward (jax.checkpoint per Mamba2 block and per use of
+    the shared block): less memory for a second forward.
 
     On a mesh with Explicit axes (`jax.make_mesh`) the model follows its tokens' sharding:
     batch (data parallelism) and sequence (context parallelism) axes shard every activation,
@@ -61,6 +67,8 @@ class HybridLMConfig:
     rope_theta: float | None = 10000.0
     dtype: DTypeLike | None = None
     implementation: str | None = None
+    attention_implementation: str | None = None  # None: `implementation`; or "cudnn"
+    remat: bool = False  # recompute each block's activations in the backward
     context_parallelism: str = "all_gather"  # attention's, where the sequence is sharded
     sequence_order: str = "contiguous"  # or "zigzag": the tokens' order on the devices
 
@@ -77,6 +85,9 @@ class HybridLMConfig:
                     self.ngroups, self.chunk_size)
         check_dtypes(dtype=self.dtype)
         check_implementation(self.implementation)
+        check_implementation(self.attention_implementation, name="attention_implementation",
+                             attention=True)
+        check_flags(remat=self.remat)
         arguments.check_context_parallelism(self.context_parallelism)
         arguments.check_sequence_order(self.sequence_order)
 
@@ -125,7 +136,8 @@ class _SharedBlock(nnx.Module):
         self.attention = FlashMultiHeadAttention(
             config.num_heads, 2 * d, config.num_heads * config.attn_head_dim, d,
             num_kv_heads=config.num_kv_heads, is_causal=True, rope_theta=config.rope_theta,
-            use_bias=False, dtype=config.dtype, implementation=config.implementation,
+            use_bias=False, dtype=config.dtype,
+            implementation=config.attention_implementation or config.implementation,
             context_parallelism=config.context_parallelism,
             sequence_order=config.sequence_order, rngs=rngs,
         )
@@ -218,16 +230,24 @@ class HybridLM(CausalLM):
         seq_idx = None if segment_ids is None else reorder_sequence(segment_ids, order,
                                                                     "contiguous")
         h, h_order = embeddings, order
+        mamba_block, shared_block = _mamba_block, _shared_block
+        if self.config.remat and not decode:
+            mamba_block, shared_block = nnx.remat(mamba_block), nnx.remat(shared_block)
         for i, block in enumerate(self.blocks):
             h, h_order = reorder_sequence(h, h_order, "contiguous"), "contiguous"
-            h = h + block.mixer(block.norm(h), seq_idx=seq_idx, decode=decode, lengths=lengths)
+            if decode:
+                h = h + block.mixer(block.norm(h), decode=True, lengths=lengths)
+            else:
+                h = mamba_block(block, h, seq_idx)
             if (i + 1) % self.config.shared_every == 0:
                 use = (i + 1) // self.config.shared_every - 1
-                cache = self.kv_caches[use].get() if decode else None
                 h, h_order = reorder_sequence(h, h_order, order), order
-                h, cache = self.shared(h, embeddings, segment_ids, cache, lengths, fresh)
                 if decode:
+                    h, cache = self.shared(h, embeddings, None, self.kv_caches[use].get(),
+                                           lengths, fresh)
                     self.kv_caches[use].set(cache)
+                else:
+                    h = shared_block(self.shared, h, embeddings, segment_ids)
         h = reorder_sequence(h, h_order, order)
         return self._logits(h, in_vocab, logits_at, self.final_norm, self.embed.attend)
 
@@ -246,3 +266,13 @@ class HybridLM(CausalLM):
             block.mixer.check_cache(batch)
         for slot in self.kv_caches:
             slot.get().check_fits(batch, new)
+
+
+def _mamba_block(block, h, seq_idx):
+    """A Mamba2 block's forward with its residual (`HybridLMConfig.remat` recomputes it)."""
+    return h + block.mixer(block.norm(h), seq_idx=seq_idx, decode=False)
+
+
+def _shared_block(shared, h, embeddings, segment_ids):
+    """The shared block's forward (`HybridLMConfig.remat` recomputes it)."""
+    return shared(h, embeddings, segment_ids, None)[0]

@@ -227,6 +227,10 @@ SIZES = ("vocab_size", "d_model", "num_layers", "shared_every", "num_heads", "nu
     ({"dtype": jnp.int32}, TypeError, "dtype must be a floating dtype or None"),
     ({"dtype": "fp8"}, TypeError, "dtype must be a floating dtype or None"),
     ({"implementation": "cuda"}, ValueError, "implementation must be one of"),
+    ({"implementation": "cudnn"}, ValueError, r"implementation must be one of \('pallas'"),
+    ({"attention_implementation": "flash"}, ValueError,
+     r"attention_implementation must be one of \('pallas', 'xla', 'cudnn'\)"),
+    ({"remat": 1}, TypeError, "remat must be a bool"),
 ])
 def test_bad_configuration(override, error, needle):
     with pytest.raises(error, match=needle):
@@ -432,3 +436,36 @@ def _while_body(hlo):
         for line in computations[current]:
             todo += re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
     return [line for c in seen for line in computations[c]]
+
+
+def test_remat_recomputes_the_blocks_and_changes_no_gradient():
+    tokens = jax.random.randint(jax.random.key(3), (2, 33), 0, 256)
+
+    def loss_and_grads(config):
+        graphdef, params = nnx.split(HybridLM(config, rngs=nnx.Rngs(0)))
+
+        def loss(params):
+            return nnx.merge(graphdef, params)(tokens).mean()
+
+        return jax.value_and_grad(loss)(params), str(jax.make_jaxpr(jax.grad(loss))(params))
+
+    config = HybridLMConfig(**SMALL, implementation="xla")
+    (loss, grads), jaxpr = loss_and_grads(config)
+    (loss_remat, grads_remat), jaxpr_remat = loss_and_grads(
+        dataclasses.replace(config, remat=True))
+    assert "remat" not in jaxpr and "remat" in jaxpr_remat
+    _close(loss, loss_remat, 1e-6)
+    for g, g_remat in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_remat), strict=True):
+        _close(g, g_remat, 1e-6)
+
+
+def test_cudnn_attention_decodes_through_the_kernels():
+    """attention_implementation="cudnn" runs jax.nn's cuDNN attention in the forward (a GPU's);
+    jax.nn has no KV cache, so generate's prefill and decode steps run the kernels."""
+    config = HybridLMConfig(**SMALL, implementation="xla", attention_implementation="cudnn")
+    model = HybridLM(config, rngs=nnx.Rngs(0))
+    assert model.shared.attention.implementation == "cudnn"
+    prompt = jax.random.randint(jax.random.key(4), (2, 5), 0, 256)
+    tokens = model.generate(prompt, 3, temperature=0.0, rng=jax.random.key(0))
+    reference = _small_model().generate(prompt, 3, temperature=0.0, rng=jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(reference))
