@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="compute dtype; auto: bfloat16 on a GPU, float32 elsewhere")
     parser.add_argument("--implementation", choices=("auto", "pallas", "xla"), default="auto",
                         help="auto: the kernels on a GPU, the jnp reference elsewhere")
+    parser.add_argument("--remat", action="store_true",
+                        help="recompute each layer in the backward: less memory, more time")
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "log_every"):
         if getattr(args, name) < 1:
@@ -154,7 +156,7 @@ def finetune(args, config, train_tokens, eval_tokens) -> int:
     started = time.perf_counter()
     try:
         model = model_class.from_pretrained(args.checkpoint, dtype=dtype,
-                                            implementation=implementation)
+                                            implementation=implementation, remat=args.remat)
     except (KeyError, ValueError, FileNotFoundError) as error:
         raise UsageError(f"cannot load {args.checkpoint}: {error}") from None
     graphdef, params = nnx.split(model)

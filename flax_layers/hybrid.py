@@ -17,7 +17,7 @@ from flax_layers._sharding import (
 )
 from flax_layers.attention import FlashMultiHeadAttention, KVCacheSlot, check_heads
 from flax_layers.generation import CausalLM
-from flax_layers.mamba2 import Mamba2, mixer_shape
+from flax_layers.mamba2 import Mamba2, mixer_shape, pre_norm_residual
 from pallas_kernels import arguments
 
 
@@ -230,7 +230,7 @@ class HybridLM(CausalLM):
         seq_idx = None if segment_ids is None else reorder_sequence(segment_ids, order,
                                                                     "contiguous")
         h, h_order = embeddings, order
-        mamba_block, shared_block = _mamba_block, _shared_block
+        mamba_block, shared_block = pre_norm_residual, _shared_block
         if self.config.remat and not decode:
             mamba_block, shared_block = nnx.remat(mamba_block), nnx.remat(shared_block)
         for i, block in enumerate(self.blocks):
@@ -238,7 +238,7 @@ class HybridLM(CausalLM):
             if decode:
                 h = h + block.mixer(block.norm(h), decode=True, lengths=lengths)
             else:
-                h = mamba_block(block, h, seq_idx)
+                h = mamba_block(block, h, None, seq_idx)  # positional: nnx.remat's
             if (i + 1) % self.config.shared_every == 0:
                 use = (i + 1) // self.config.shared_every - 1
                 h, h_order = reorder_sequence(h, h_order, order), order
@@ -266,11 +266,6 @@ class HybridLM(CausalLM):
             block.mixer.check_cache(batch)
         for slot in self.kv_caches:
             slot.get().check_fits(batch, new)
-
-
-def _mamba_block(block, h, seq_idx):
-    """A Mamba2 block's forward with its residual (`HybridLMConfig.remat` recomputes it)."""
-    return h + block.mixer(block.norm(h), seq_idx=seq_idx, decode=False)
 
 
 def _shared_block(shared, h, embeddings, segment_ids):

@@ -318,6 +318,13 @@ class Mamba2(nnx.Module):
                                                           ssm_state)
 
 
+def pre_norm_residual(block, h, x=None, seq_idx=None):
+    """h + block.mixer(block.norm(x)) (x default h): the forward of a pre-norm residual Mamba2
+    block (a module with `norm` and a `Mamba2` `mixer`), the unit a model's `remat`
+    recomputes in the backward."""
+    return h + block.mixer(block.norm(h if x is None else x), seq_idx=seq_idx, decode=False)
+
+
 def _edge(seq_idx, history):
     """Sequence ids of the history tokens before the first token: the first token's."""
     return jnp.broadcast_to(seq_idx[:, :1], (seq_idx.shape[0], history.shape[1]))

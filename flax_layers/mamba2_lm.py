@@ -23,7 +23,7 @@ from flax_layers._checks import (
 )
 from flax_layers._sharding import logical, token_features
 from flax_layers.generation import CausalLM
-from flax_layers.mamba2 import Mamba2, mixer_shape
+from flax_layers.mamba2 import Mamba2, mixer_shape, pre_norm_residual
 from pallas_kernels import arguments
 
 
@@ -34,7 +34,8 @@ class Mamba2LMConfig:
     `from_dict` reads transformers' `Mamba2Config` (config.json, model_type "mamba2") or
     mamba_ssm's config.json; `to_transformers` writes the former. `source` keeps the
     config.json the model was loaded from (JSON text), so an export keeps its other fields
-    (token ids, ...). Every field is checked on construction (ValueError or TypeError naming
+    (token ids, ...). `remat` recomputes each block in the backward (less memory for a
+    second forward). Every field is checked on construction (ValueError or TypeError naming
     it).
     """
 
@@ -53,6 +54,7 @@ class Mamba2LMConfig:
     dt_limit: tuple[float, float] = (0.0, float("inf"))
     residual_in_fp32: bool = True
     tie_embeddings: bool = False
+    remat: bool = False  # recompute each block in the backward
     dtype: DTypeLike | None = None
     implementation: str | None = None
     source: str | None = None
@@ -62,7 +64,8 @@ class Mamba2LMConfig:
         mixer_shape(self.d_model, self.d_state, self.d_conv, self.expand, self.headdim,
                     self.ngroups, self.chunk_size)
         check_flags(bias=self.bias, conv_bias=self.conv_bias,
-                    residual_in_fp32=self.residual_in_fp32, tie_embeddings=self.tie_embeddings)
+                    residual_in_fp32=self.residual_in_fp32, tie_embeddings=self.tie_embeddings,
+                    remat=self.remat)
         check_positive_numbers(norm_eps=self.norm_eps)
         if self.norm_eps is None:
             raise TypeError("norm_eps must be a number, got None")
@@ -233,9 +236,12 @@ class Mamba2LM(CausalLM):
         h = self.embed(jnp.where(in_vocab, tokens, 0), out_sharding=token_features(tokens))
         if self.config.residual_in_fp32:
             h = h.astype(jnp.float32)
+        block_forward = nnx.remat(pre_norm_residual) if self.config.remat else pre_norm_residual
         for block in self.blocks:
-            h = h + block.mixer(block.norm(h), seq_idx=segment_ids, decode=decode,
-                                lengths=lengths)
+            if decode:
+                h = h + block.mixer(block.norm(h), decode=True, lengths=lengths)
+            else:
+                h = block_forward(block, h, None, segment_ids)  # positional: nnx.remat's
         return self._logits(h, in_vocab, logits_at, self.norm_f,
                             self.embed.attend if self.lm_head is None else self.lm_head)
 

@@ -1,6 +1,7 @@
 """Zamba2 as transformers defines it (`Zamba2ForCausalLM`), with checkpoint loading and export."""
 
 import dataclasses
+import functools
 import json
 import numbers
 import os
@@ -24,7 +25,7 @@ from flax_layers._checks import (
 from flax_layers._sharding import logical, token_features
 from flax_layers.attention import FlashMultiHeadAttention, KVCacheSlot, check_heads
 from flax_layers.generation import CausalLM
-from flax_layers.mamba2 import Mamba2, mixer_shape
+from flax_layers.mamba2 import Mamba2, mixer_shape, pre_norm_residual
 
 _ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -48,7 +49,8 @@ class Zamba2Config:
     and the gated MLP (`intermediate_size` = `mlp_hidden`) always has one. The Mamba2 layers
     have `mamba_heads` heads (`n_mamba_heads`), `d_state`, `ngroups`, `expand`, `d_conv`,
     `chunk_size`, step sizes clamped at `dt_min` (`time_step_min`) and a gated RMSNorm with
-    epsilon 1e-5. Every field is checked on construction (ValueError or TypeError naming it).
+    epsilon 1e-5. `remat` recomputes each layer in the backward. Every field is checked on
+    construction (ValueError or TypeError naming it).
     `source` keeps the config.json it was read from (JSON text) for the export.
     """
 
@@ -74,6 +76,7 @@ class Zamba2Config:
     norm_eps: float = 1e-5
     bias: bool = False  # transformers' add_bias_linear
     tie_embeddings: bool = True
+    remat: bool = False  # recompute each layer (and each use of a shared block) in the backward
     dtype: DTypeLike | None = None
     implementation: str | None = None
     source: str | None = None
@@ -106,7 +109,7 @@ class Zamba2Config:
                 raise TypeError(f"{name} must be a number, got None")
         check_positive_numbers(dt_min=self.dt_min, norm_eps=self.norm_eps)
         check_flags(attention_adapters=self.attention_adapters, bias=self.bias,
-                    tie_embeddings=self.tie_embeddings)
+                    tie_embeddings=self.tie_embeddings, remat=self.remat)
         if not self.tie_embeddings and len(self.hybrid_layers) > self.num_mem_blocks:
             raise ValueError(
                 "tie_embeddings=False with more hybrid layers than num_mem_blocks: transformers "
@@ -357,19 +360,25 @@ class Zamba2LM(CausalLM):
                                 out_sharding=token_features(tokens))
         activation = _ACTIVATIONS[self.config.hidden_act]
         h = embeddings
+        remat = nnx.remat if self.config.remat and not decode else lambda f: f
         for i, layer in enumerate(self.layers):
             x = h
             if i in self.config.hybrid_layers:
                 use = self.config.hybrid_layers.index(i)
-                block = self.shared[use % len(self.shared)]
-                cache = self.kv_caches[use].get() if decode else None
-                out, cache = block(h, embeddings, use // len(self.shared), segment_ids, cache,
-                                   lengths, fresh, activation)
+                block, k = self.shared[use % len(self.shared)], use // len(self.shared)
                 if decode:
+                    out, cache = block(h, embeddings, k, None, self.kv_caches[use].get(),
+                                       lengths, fresh, activation)
                     self.kv_caches[use].set(cache)
-                x = h + self.linears[use](out)
-            h = h + layer.mixer(layer.norm(x), seq_idx=segment_ids, decode=decode,
-                                lengths=lengths)
+                    x = h + self.linears[use](out)
+                else:
+                    shared_use = functools.partial(_shared_use, k, activation)  # positional:
+                    x = remat(shared_use)(block, self.linears[use], h, embeddings,  # nnx.remat's
+                                          segment_ids)
+            if decode:
+                h = h + layer.mixer(layer.norm(x), decode=True, lengths=lengths)
+            else:
+                h = remat(pre_norm_residual)(layer, h, x, segment_ids)
         return self._logits(h, in_vocab, logits_at, self.final_norm,
                             self.embed.attend if self.lm_head is None else self.lm_head)
 
@@ -458,3 +467,9 @@ class Zamba2LM(CausalLM):
         """Writes config.json (transformers' Zamba2Config) and model.safetensors into
         `directory`, which transformers' `Zamba2ForCausalLM.from_pretrained` reads."""
         return io.save_pretrained(self, directory, dtype)
+
+
+def _shared_use(use, activation, block, linear, h, embeddings, segment_ids):
+    """A hybrid layer's input: h + linear(the shared block's output) (`remat` recomputes it)."""
+    out, _ = block(h, embeddings, use, segment_ids, None, None, False, activation)
+    return h + linear(out)

@@ -194,3 +194,24 @@ def test_mamba_ssm_state_dicts_hold_a_tied_head_under_both_names():
     state = model.state_dict(names="mamba_ssm")
     np.testing.assert_array_equal(state["lm_head.weight"], state["backbone.embedding.weight"])
     assert "lm_head.weight" not in model.state_dict()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_remat_recomputes_the_layers_and_changes_no_gradient(name):
+    tokens = jnp.asarray(_expected(name)["tokens_37"])
+
+    def loss_and_grads(remat):
+        model = MODELS[name].from_pretrained(FIXTURES / name, implementation="xla", remat=remat)
+        graphdef, params = nnx.split(model)
+
+        def loss(params):
+            return nnx.merge(graphdef, params)(tokens).mean()
+
+        return jax.value_and_grad(loss)(params), str(jax.make_jaxpr(jax.grad(loss))(params))
+
+    (loss, grads), jaxpr = loss_and_grads(False)
+    (loss_remat, grads_remat), jaxpr_remat = loss_and_grads(True)
+    assert "remat" not in jaxpr and "remat" in jaxpr_remat
+    np.testing.assert_allclose(loss_remat, loss, rtol=1e-6)
+    for g, g_remat in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_remat), strict=True):
+        np.testing.assert_allclose(g_remat, g, rtol=1e-5, atol=1e-7)
