@@ -102,7 +102,9 @@ class CausalLM(nnx.Module):
                          max_new_tokens=max_new_tokens, greedy=temperature == 0,
                          top_k=top_k, nucleus=top_p is not None,
                          kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name,
-                         page_size=page_size, prefill_rows=_prefill_rows(batch, t))
+                         page_size=page_size, prefill_rows=_prefill_rows(batch, t),
+                         compute_dtype=None if self.config.dtype is None
+                         else jnp.dtype(self.config.dtype).name)
 
 
 # A prefill runs its prompts in groups of rows of at most this many tokens, one group after
@@ -119,13 +121,15 @@ def _prefill_rows(batch, t):
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=(
-    "max_new_tokens", "greedy", "top_k", "nucleus", "kv_dtype", "page_size", "prefill_rows"))
+    "max_new_tokens", "greedy", "top_k", "nucleus", "kv_dtype", "page_size", "prefill_rows",
+    "compute_dtype"))
 def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_tokens, *,
-              max_new_tokens, greedy, top_k, nucleus, kv_dtype, page_size, prefill_rows):
+              max_new_tokens, greedy, top_k, nucleus, kv_dtype, page_size, prefill_rows,
+              compute_dtype):
     """`CausalLM.generate`: the prefill (in groups of `prefill_rows` rows, `_prefill`) and its
     token, then the decode loop (a `lax.while_loop` whose carry holds the caches, so XLA
     updates them in place), each step a forward of the last token and a sample."""
-    state = _weights_in(state, nnx.merge(graphdef, state).config.dtype)
+    state = _weights_in(state, compute_dtype)
     model = nnx.merge(graphdef, state)
     batch, t = prompt.shape
     cache_options = dict(max_length=t + max_new_tokens - 1, kv_dtype=kv_dtype,
