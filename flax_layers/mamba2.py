@@ -19,6 +19,7 @@ from flax_layers._sharding import (
     token_features,
 )
 from pallas_kernels import arguments
+from pallas_kernels.mamba2 import semantics
 
 
 def _uniform(bound):
@@ -297,8 +298,7 @@ class Mamba2(nnx.Module):
         if lengths is None:
             return self._scan(z, xbc, dt, conv_state, ssm_state)
         real = jnp.arange(xbc.shape[1]) < lengths[:, None]  # (B, T)
-        steps = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...]),
-                         *self.dt_limit)
+        steps = semantics.step_sizes(dt, self.dt_bias[...], True, self.dt_limit, jnp.float32)
         steps = jnp.where(real[..., None], steps, 0.0)
         y, (_, ssm_state) = self._scan(z, xbc, steps, conv_state, ssm_state, step_sizes=True)
         inputs = jnp.concatenate([conv_state, xbc.astype(conv_state.dtype)], axis=1)
