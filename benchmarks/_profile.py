@@ -33,3 +33,19 @@ def kernel_events(call):
                 continue
             events += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
     return sorted(events, key=lambda e: e[1]), planes
+
+
+def kernel_span_seconds(fn, *args, calls=20):
+    """Seconds per call that the GPU spends on `fn(*args)`, from a profile of `calls` calls
+    chained in one jit (`_timing.chain`): the first kernel's start to the last one's end, over
+    `calls`, gaps between kernels included; what a CUDA-graph replay measures for torch, without
+    the executable's per-dispatch host cost that `_timing.chained_seconds` still counts. None
+    when the trace has no GPU kernels (no CUPTI)."""
+    from benchmarks import _timing
+
+    chained = _timing.chain(fn, calls)
+    jax.block_until_ready(chained(*args))
+    events, _ = kernel_events(lambda: jax.block_until_ready(chained(*args)))
+    if not events:
+        return None
+    return (max(start + duration for _, start, duration in events) - events[0][1]) / calls / 1e9

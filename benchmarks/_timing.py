@@ -96,14 +96,21 @@ def chained_seconds(fn, *args, calls=20, repeats=5):
     back to back from one dispatch: device time even for kernels shorter than a Python
     dispatch (which `amortised_seconds` measures instead below about 0.1 ms per call)."""
 
-    def chain(*args):
+    return amortised_seconds(chain(fn, calls), *args, calls=1, repeats=repeats) / calls
+
+
+def chain(fn, calls):
+    """`fn` run `calls` times in one jitted function, each call's arguments passed through an
+    optimization barrier with the previous call's outputs (`chained_seconds`)."""
+
+    def chained(*args):
         outs = [fn(*args)]
         for _ in range(calls - 1):
             args, _ = jax.lax.optimization_barrier((args, outs[-1]))
             outs.append(fn(*args))
         return outs
 
-    return amortised_seconds(jax.jit(chain), *args, calls=1, repeats=repeats) / calls
+    return jax.jit(chained)
 
 
 def time_torch(fn, *, iters, warmup):

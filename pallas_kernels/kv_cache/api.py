@@ -5,7 +5,7 @@ A call flows: argument checks (`checks`, before anything is traced) -> implement
 ("xla" runs `reference.py`, "pallas" the split-K kernel) -> the tile (`tuning`) and the number
 of splits, chosen on the host from the batch, the KV heads, the cache's capacity and the
 multiprocessor count -> the query packed per KV head (G heads x T tokens as the rows of one
-matmul) -> `forward.partials` and `forward.combine`. The caches are read in place: never padded,
+matmul) -> `forward.partials` and `forward.merge`. The caches are read in place: never padded,
 cast or copied.
 """
 
@@ -74,8 +74,7 @@ def attention_with_kv_cache(
     batch, t, n, h = q.shape
     layout = checks.check_cache(k_cache, v_cache, block_table, k_scale, v_scale, batch)
     checks.check_heads(q, layout)
-    # A length past the capacity counts as the capacity (the kernel never reads past it).
-    seqlens = jnp.clip(checks.check_seqlens(cache_seqlens, batch), 0, layout.capacity)
+    seqlens = checks.check_seqlens(cache_seqlens, batch)
     scale = _dispatch.check_positive("scale", scale, default=h**-0.5)
     window = attention_checks.check_window(local_window_size)
     window_left = None if window is None else window[0]
@@ -85,9 +84,10 @@ def attention_with_kv_cache(
     implementation, interpret = _dispatch.choose(implementation, interpret)
     k_cache, v_cache = quantization.as_stored(k_cache), quantization.as_stored(v_cache)
     if implementation == "xla":
+        # A length past the capacity counts as the capacity (the kernel clips it too).
         return reference.attention_with_kv_cache(
-            q, k_cache, v_cache, seqlens, block_table=block_table, k_scale=k_scale,
-            v_scale=v_scale, scale=scale, local_window_size=window,
+            q, k_cache, v_cache, jnp.clip(seqlens, 0, layout.capacity), block_table=block_table,
+            k_scale=k_scale, v_scale=v_scale, scale=scale, local_window_size=window,
             logits_soft_cap=logits_soft_cap, return_residual=return_residual)
 
     plan = tuning.plan(_device.target()[0], batch, layout.kv_heads, layout.capacity,
@@ -95,7 +95,7 @@ def attention_with_kv_cache(
     block_k = plan.blocks.block_k
     groups = n // layout.kv_heads
     static = forward.Static(
-        tokens=t, rows=_device.pow2_at_least(groups * t), head_dim=h,
+        tokens=t, capacity=layout.capacity, rows=_device.pow2_at_least(groups * t), head_dim=h,
         head_dim_pad=_device.pow2_at_least(h), scale=scale, logits_soft_cap=logits_soft_cap,
         window_left=window_left, key_format=layout.key_format,
         value_format=layout.value_format, page_size=layout.page_size, block_k=block_k,
@@ -105,14 +105,15 @@ def attention_with_kv_cache(
         per_block = block_k // layout.page_size
         table = _device.pad_end(jnp.asarray(block_table, jnp.int32),
                                 (None, _device.cdiv(block_table.shape[1], per_block) * per_block))
-    out, lse = forward.combine(*forward.partials(
+    out, lse = forward.partials(
         _pack(q, layout.kv_heads, static), k_cache, v_cache, seqlens, table, k_scale, v_scale,
         static=static, splits=plan.splits, num_warps=plan.blocks.num_warps,
-        num_stages=plan.blocks.num_stages))
-    out = _unpack(out, q.shape)[..., :h].astype(q.dtype)
+        num_stages=plan.blocks.num_stages)
+    merged = forward.merge(out, lse, tokens=t, groups=groups, head_dim=h, dtype=q.dtype,
+                           interpret=interpret)
     if not return_residual:
-        return out
-    return out, _unpack(lse[..., None], (batch, t, n, 1))[..., 0] * common.LN2
+        return merged
+    return merged, _unpack(forward.merged_lse(lse)[..., None], q.shape)[..., 0] * common.LN2
 
 
 def _pack(q, kv_heads, static):
@@ -125,7 +126,7 @@ def _pack(q, kv_heads, static):
 
 
 def _unpack(rows, shape):
-    """(B, K, R, X) packed rows -> (B, T, N, X) (X: H_pad or 1)."""
+    """(B, K, R, X) packed rows -> (B, T, N, X)."""
     batch, t, n, _ = shape
     _, kv_heads, _, x = rows.shape
     groups = n // kv_heads

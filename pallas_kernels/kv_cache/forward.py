@@ -6,10 +6,15 @@ GQA group. It streams its split's keys `block_k` at a time from a dense cache (B
 from the pages a block table names ((pages, page_size, K, H); a block is a whole number of
 pages gathered by their ids), decodes 8-bit entries to the query's dtype, folds the scales into
 the logits (keys) and the probabilities (values), and keeps a running max and sum (online
-softmax, base 2). It writes its normalised partial output and base-2 log-sum-exp; `combine`
-merges the splits. Blocks outside the row's visible range are never read; a split with none
-writes sum 0 (lse -inf) and exits. The head dim is read through a power-of-two block, masked
-past H, so the cache is never padded or copied.
+softmax, base 2). It writes its normalised partial output and base-2 log-sum-exp. Blocks
+outside the row's visible range are never read; a split with none writes sum 0 (lse -inf) and
+exits. The head dim is read through a power-of-two block, masked past H, so the cache is never
+padded or copied.
+
+A second kernel (`merge`) weighs the splits' partials by their log-sum-exp and writes the
+output in q's layout and dtype: one program per (batch row, KV head, query row, slice of the
+head dim), so a long row cut into hundreds of splits is merged by many programs at once, in one
+launch instead of XLA's separate reductions, slice and transpose.
 """
 
 import dataclasses
@@ -30,6 +35,7 @@ class Static:
     """What the kernel knows of a call besides its arrays (hashable)."""
 
     tokens: int  # T, new tokens per row
+    capacity: int  # keys a row can hold; longer lengths are clipped to it
     rows: int  # G * T padded to a power of two >= 16
     head_dim: int  # H
     head_dim_pad: int  # H padded to a power of two
@@ -63,7 +69,7 @@ def _read(refs, cache, scales, b, j, static):
 def _decode_kernel(refs, *, static):
     split, b = pl.program_id(0), pl.program_id(2)
     bk, rows = static.block_k, static.rows
-    length = refs.seqlens[b]
+    length = jnp.clip(refs.seqlens[b], 0, static.capacity)
     # Row r is new token t = r % T, at position length - T + t; it sees keys in
     # [position - window, position].
     position = length - static.tokens + jax.lax.broadcasted_iota(
@@ -171,16 +177,54 @@ def partials(q, k, v, seqlens, block_table, k_scale, v_scale, *, static, splits,
     return result["out"], result["lse"]
 
 
-def combine(out, lse):
-    """The splits' partial outputs (splits, ...rows, H_pad) and base-2 lse (splits, ...rows)
-    merged by the log-sum-exp: (output (...rows, H_pad) float32, lse (...rows) base 2).
-    Rows that saw no key in any split get output 0 and lse -inf."""
-    if out.shape[0] == 1:
-        return out[0], lse[0]
+# The most partial entries (splits x head-dim slice) one merge program reads.
+_MERGE_ENTRIES = 4096
+
+
+def merge(out, lse, *, tokens, groups, head_dim, dtype, interpret):
+    """The splits' partial outputs merged by their log-sum-exp, in q's layout (B, T, N, H) of
+    `dtype`.
+
+    out (S, B, K, R, H_pad) float32, normalised per split, and lse (S, B, K, R) base 2, as
+    `partials` writes them, with S a power of two (empty splits carry lse -inf); row r of KV
+    head k is query head k * groups + r // tokens at token r % tokens. Rows that saw no key in
+    any split get output 0. One program per (b, k, r < groups * tokens, slice of the head dim):
+    the slice is a power of two dividing H, at most `_MERGE_ENTRIES` // S wide.
+    """
+    splits, batch, kv_heads, _, _ = out.shape
+    width = min(head_dim & -head_dim, max(1, _MERGE_ENTRIES // splits))
+    inputs = (Operands()
+              .add("out", pl.BlockSpec((splits, None, None, None, width),
+                                       lambda b, k, r, c: (0, b, k, r, c)), out)
+              .add("lse", pl.BlockSpec((splits, None, None, None),
+                                       lambda b, k, r, c: (0, b, k, r)), lse))
+
+    def output_map(b, k, r, c):
+        return b, r % tokens, k * groups + r // tokens, c
+
+    outputs = Operands().add(
+        "merged", pl.BlockSpec((None, None, None, width), output_map),
+        jax.ShapeDtypeStruct((batch, tokens, kv_heads * groups, head_dim), dtype))
+    result = _operands.call(
+        _merge_kernel, inputs, outputs,
+        grid=(batch, kv_heads, groups * tokens, head_dim // width), num_warps=1, num_stages=1,
+        interpret=interpret, name="attention_with_kv_cache_merge")
+    return result["merged"]
+
+
+def _merge_kernel(refs):
+    lse = refs.lse[...]
+    top = jnp.max(lse)
+    weights = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))  # 0 for empty splits
+    total = jnp.sum(weights)
+    merged = jnp.sum(weights[:, None] * refs.out[...], axis=0)
+    refs.merged[...] = (merged / jnp.where(total > 0, total, 1.0)).astype(refs.merged.dtype)
+
+
+def merged_lse(lse):
+    """The splits' base-2 log-sum-exps (S, ...rows) merged: (...rows), -inf for rows that saw
+    no key."""
     top = jnp.max(lse, axis=0)
     safe_top = jnp.where(jnp.isneginf(top), 0.0, top)
-    weights = jnp.exp2(lse - safe_top)  # 0 for empty splits
-    total = jnp.sum(weights, axis=0)
-    merged = jnp.sum(weights[..., None] * out, axis=0) / jnp.where(total > 0, total, 1.0)[
-        ..., None]
-    return merged, jnp.where(total > 0, safe_top + jnp.log2(total), -jnp.inf)
+    total = jnp.sum(jnp.exp2(lse - safe_top), axis=0)
+    return jnp.where(total > 0, safe_top + jnp.log2(total), -jnp.inf)

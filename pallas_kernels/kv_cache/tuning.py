@@ -29,7 +29,11 @@ _TABLE = {
 }
 # Programs per multiprocessor that splitting aims for, and the fewest keys a split is worth.
 PROGRAMS_PER_MULTIPROCESSOR = 2
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 128
+# A split of at most this many blocks runs unpipelined (one stage): the prefetch a few-block loop
+# cannot repay (H100, B1 32k keys at 256 splits of 2 blocks: 6.5 µs at 1 stage, 9.0 at 2, 8.8
+# at 3).
+UNPIPELINED_BLOCKS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +48,9 @@ class Plan:
 def plan(device_kind, batch, kv_heads, capacity, page_size=None, num_splits=None):
     """The Plan of a call on `batch` rows of `capacity` keys over `kv_heads` heads: the table's
     tile, whose `block_k` is a whole number of pages for a paged cache (at least one) and
-    divides a dense cache's capacity; `num_splits` or `splits_for`'s, at most one per block."""
+    divides a dense cache's capacity; `num_splits` or `splits_for`'s, at most one per block,
+    rounded up to a power of two (the merge reads every split's partial as one array; the
+    splits past the last block are empty and exit at once)."""
     blocks = _TABLE[_device.family(device_kind)]
     if page_size is not None:
         block_k = max(blocks.block_k, page_size)
@@ -54,8 +60,10 @@ def plan(device_kind, batch, kv_heads, capacity, page_size=None, num_splits=None
     splits = min(total, num_splits or splits_for(device_kind, batch, kv_heads, capacity,
                                                  block_k))
     per_split = _device.cdiv(total, splits)
-    return Plan(dataclasses.replace(blocks, block_k=block_k), _device.cdiv(total, per_split),
-                per_split)
+    if per_split <= UNPIPELINED_BLOCKS:
+        blocks = dataclasses.replace(blocks, num_stages=1)
+    return Plan(dataclasses.replace(blocks, block_k=block_k),
+                _device.pow2_at_least(_device.cdiv(total, per_split), minimum=1), per_split)
 
 
 def _dense_block(capacity, block_k):

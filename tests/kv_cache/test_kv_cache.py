@@ -11,7 +11,7 @@ import pytest
 from kv_cache_cases import QMAX, assert_matches, make_case, normals, poison, tolerance
 
 import pallas_kernels
-from pallas_kernels.kv_cache import reference
+from pallas_kernels.kv_cache import reference, tuning
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 INT8, E4M3, FNUZ = jnp.int8, jnp.float8_e4m3fn, jnp.uint8  # uint8: float8_e4m3fnuz bits
@@ -339,3 +339,21 @@ def test_a_write_into_a_page_outside_the_pool_is_dropped():
                                                       block_table=table)
     assert float(k_cache[0, 15].sum()) == 8.0  # the first token, in page 0
     assert float(jnp.abs(k_cache[1:]).sum()) == 0.0  # the second dropped, page 2 untouched
+
+
+@pytest.mark.parametrize("batch, kv_heads, capacity, num_splits",
+                         [(1, 1, 32768, None), (64, 4, 8192, None), (3, 2, 4096, 3),
+                          (1, 8, 1000 * 16, 5), (2, 1, 64, None)])
+def test_split_plans_cover_the_cache_in_a_power_of_two_of_splits(batch, kv_heads, capacity,
+                                                                 num_splits):
+    """The merge reads every split's partial as one power-of-two array: the plan's splits are
+    a power of two that covers every block, none starts past the last block but the empty
+    tail, and splits of a few blocks run with one stage."""
+    plan = tuning.plan("NVIDIA H100 80GB HBM3", batch, kv_heads, capacity, page_size=16,
+                       num_splits=num_splits)
+    blocks = -(-capacity // plan.blocks.block_k)
+    assert plan.splits & (plan.splits - 1) == 0
+    assert plan.splits * plan.blocks_per_split >= blocks
+    assert plan.splits < 2 * -(-blocks // plan.blocks_per_split)
+    if plan.blocks_per_split <= tuning.UNPIPELINED_BLOCKS:
+        assert plan.blocks.num_stages == 1
