@@ -153,7 +153,7 @@ def measure(run, implementation, opts):
         record["kernels"] = len(events)
         record["kernel_ms"] = total / 1e6
         record["top_kernels"] = [dict(name=name[:120], ms=ns / 1e6, kind=kernel_class(name))
-                                 for name, ns in by_name.most_common(25)]
+                                 for name, ns in by_name.most_common(40)]
         record["classes"] = {label: dict(ms=ns / 1e6, share=ns / total)
                              for label, ns in busy.most_common()} if total else {}
     return record
