@@ -62,6 +62,15 @@ def _explicit_sharding(x):
     return sharding
 
 
+def features_sharded(x):
+    """Whether x's last axis is split over a mesh axis (its type says so on a mesh with
+    Explicit axes)."""
+    sharding = _explicit_sharding(x)
+    if sharding is None or len(sharding.spec) < x.ndim:
+        return False
+    return sharding.spec[x.ndim - 1] is not None
+
+
 def token_features(tokens):
     """The sharding of (B, T, features) activations of `tokens` (B, T, ...): the tokens' batch
     and sequence axes, features whole; None off meshes with Explicit axes."""

@@ -8,6 +8,7 @@ from pallas_kernels.attention.tuning import AttentionBlocks, KernelBlocks
 from pallas_kernels.kv_cache.api import attention_with_kv_cache, update_kv_cache
 from pallas_kernels.mamba2.api import mamba_chunk_scan_combined
 from pallas_kernels.mamba2.decode import selective_state_update
+from pallas_kernels.norm.api import rms_norm_gated
 
 _compat.silence_triton_deprecation()
 
@@ -18,6 +19,7 @@ __all__ = [
     "attention_with_kv_cache",
     "dot_product_attention",
     "mamba_chunk_scan_combined",
+    "rms_norm_gated",
     "selective_state_update",
     "unzigzag",
     "update_kv_cache",

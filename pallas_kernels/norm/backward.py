@@ -1,0 +1,84 @@
+"""The gated RMSNorm backward kernel (Pallas, Triton lowering).
+
+One program per (run of `backward_blocks` row tiles, group). For each tile it re-reads x (and
+z) with the output's gradient, recomputes the row's 1/rms, writes dx (and dz), and adds the
+tile's weight gradient to a float32 sum it keeps in registers; each program writes that sum as
+one partial row, and XLA adds the partials in a fixed order, so the gradients are
+deterministic. With v the normalised input (x, or x * silu(z) when the gate comes first),
+r = 1/rms(v), v^ = v r and g the gradient reaching v^ * weight:
+
+    dweight = sum over rows of g * v^
+    dv = r (g weight - v^ mean(g weight v^))          (the mean over the group)
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _device, _operands
+from pallas_kernels._operands import Operands
+from pallas_kernels.norm.forward import gate_and_slope, inverse_rms, within_group
+
+
+def _backward_kernel(refs, *, static):
+    program = pl.program_id(0)
+    row_blocks = refs.x.shape[0] // static.block_rows
+    first = program * static.backward_blocks
+    last = jnp.minimum(first + static.backward_blocks, row_blocks)
+    weight = within_group(refs.weight[...].astype(jnp.float32)[None, :], static)[0]
+
+    def tile(j, weight_grad):
+        rows = _device.block_slice(j, static.block_rows)
+        x = refs.x[rows, :].astype(jnp.float32)
+        grad = within_group(refs.dout[rows, :].astype(jnp.float32), static)
+        gate = slope = None
+        if static.gated:
+            gate, slope = gate_and_slope(refs.z[rows, :].astype(jnp.float32))
+        gate_first = gate is not None and not static.norm_before_gate
+        v = within_group(x * gate if gate_first else x, static)
+        r = inverse_rms(v, static)[:, None]
+        normalised = v * r
+        if gate is not None and static.norm_before_gate:
+            refs.dz[rows, :] = (grad * normalised * weight[None, :] * slope).astype(
+                refs.dz.dtype)
+            grad = grad * gate
+        weight_grad += jnp.sum(grad * normalised, axis=0)
+        scaled = grad * weight[None, :]
+        mean = jnp.sum(scaled * normalised, axis=1) / static.group_size
+        dv = r * (scaled - normalised * mean[:, None])
+        if gate_first:
+            refs.dz[rows, :] = (dv * x * slope).astype(refs.dz.dtype)
+            dv = dv * gate
+        refs.dx[rows, :] = dv.astype(refs.dx.dtype)
+        return weight_grad
+
+    refs.dweight[...] = jax.lax.fori_loop(
+        first, last, tile, jnp.zeros((static.group_pad,), jnp.float32))
+
+
+def gradients(x, weight, z, dout, *, static):
+    """(dx, dz or None, dweight) of `forward.normalise` at x (M, D), weight (D,), z like x or
+    None, given dout (M, D); dweight float32."""
+    rows, channels = x.shape
+    groups = channels // static.group_size
+    programs = _device.cdiv(rows // static.block_rows, static.backward_blocks)
+    # Each program walks whole columns of row tiles: its blocks span every row.
+    column = pl.BlockSpec((rows, static.group_pad), lambda p, g: (0, g))
+    inputs = (Operands()
+              .add("x", column, x)
+              .add("z", column, z)
+              .add("dout", column, dout)
+              .add("weight", pl.BlockSpec((static.group_pad,), lambda p, g: (g,)), weight))
+    outputs = (Operands()
+               .add("dx", column, jax.ShapeDtypeStruct(x.shape, x.dtype))
+               .add("dz", column, None if z is None else jax.ShapeDtypeStruct(z.shape, z.dtype))
+               .add("dweight", pl.BlockSpec((None, static.group_pad), lambda p, g: (p, g)),
+                    jax.ShapeDtypeStruct((programs, channels), jnp.float32)))
+    result = _operands.call(
+        functools.partial(_backward_kernel, static=static), inputs, outputs,
+        grid=(programs, groups), num_warps=static.backward_warps,
+        num_stages=static.backward_stages,
+        interpret=static.interpret, name="rms_norm_gated_backward")
+    return result["dx"], result.get("dz"), jnp.sum(result["dweight"], axis=0)

@@ -1,0 +1,35 @@
+"""Argument checks of `rms_norm_gated`: a TypeError or ValueError naming the argument, before
+anything is traced."""
+
+import numbers
+
+import numpy as np
+
+from pallas_kernels import _dispatch
+
+
+def check_arrays(x, weight, z):
+    """x (..., D) with at least one leading axis, weight (D,), z of x's shape or None; float
+    dtypes."""
+    _dispatch.check_floats({"x": x, "weight": weight, "z": z}, _dispatch.FLOATS,
+                           "bfloat16, float16, float32 or float64")
+    if x.ndim < 2:
+        raise ValueError(f"x must be (..., D) with at least one leading axis, got {x.shape}")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight must be (D,) = {x.shape[-1:]}, got {weight.shape}")
+    if z is not None and z.shape != x.shape:
+        raise ValueError(f"z must have x's shape {x.shape}, got {z.shape}")
+
+
+def check_group_size(group_size, channels):
+    """The group size as an int: `channels` for None, else a positive integer (Python or
+    numpy) dividing it."""
+    if group_size is None:
+        return channels
+    if (not isinstance(group_size, numbers.Integral) or isinstance(group_size, bool | np.bool_)
+            or group_size <= 0):
+        raise TypeError(f"group_size must be a positive int or None, got {group_size!r}")
+    group_size = int(group_size)
+    if channels % group_size:
+        raise ValueError(f"group_size ({group_size}) must divide x's last axis ({channels})")
+    return group_size

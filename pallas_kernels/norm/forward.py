@@ -1,0 +1,84 @@
+"""The gated RMSNorm forward kernel (Pallas, Triton lowering).
+
+One program per (tile of `block_rows` rows, group): it reads the tile's x (and z) once, whole
+groups padded to a power of two and masked past the group, and writes the normalised output in
+x's dtype. Nothing else is kept for the backward, which recomputes the row statistics from the
+same reads (`backward.py`).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _operands
+from pallas_kernels._operands import Operands
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """What the kernels know of a call besides its arrays (hashable: keys custom_vjp)."""
+
+    group_size: int
+    eps: float
+    gated: bool  # z is given
+    norm_before_gate: bool
+    block_rows: int
+    group_pad: int
+    backward_blocks: int
+    num_warps: int
+    backward_warps: int
+    backward_stages: int
+    interpret: bool
+
+
+def gate_and_slope(z):
+    """silu(z) and its derivative, float32."""
+    sigmoid = 1.0 / (1.0 + jnp.exp(-z))
+    return z * sigmoid, sigmoid * (1.0 + z * (1.0 - sigmoid))
+
+
+def within_group(values, static):
+    """`values` (rows, group_pad) with the columns past the group set to 0."""
+    if static.group_pad == static.group_size:
+        return values
+    columns = jax.lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
+    return jnp.where(columns < static.group_size, values, 0.0)
+
+
+def inverse_rms(v, static):
+    """1 / sqrt(mean(v**2 over the group) + eps) per row of v (rows, group_pad), zero past the
+    group."""
+    return jax.lax.rsqrt(jnp.sum(v * v, axis=1) / static.group_size + static.eps)
+
+
+def _forward_kernel(refs, *, static):
+    x = refs.x[...].astype(jnp.float32)
+    weight = refs.weight[...].astype(jnp.float32)
+    gate = None
+    if static.gated:
+        gate, _ = gate_and_slope(refs.z[...].astype(jnp.float32))
+    v = within_group(x * gate if gate is not None and not static.norm_before_gate else x, static)
+    out = v * inverse_rms(v, static)[:, None] * weight[None, :]
+    if gate is not None and static.norm_before_gate:
+        out = out * gate
+    refs.out[...] = out.astype(refs.out.dtype)
+
+
+def normalise(x, weight, z, *, static):
+    """The normalised rows: x (M, D) with M % block_rows == 0, weight (D,), z like x or None;
+    returns (M, D) in x's dtype."""
+    rows, channels = x.shape
+    groups = channels // static.group_size
+    tile = pl.BlockSpec((static.block_rows, static.group_pad), lambda i, g: (i, g))
+    inputs = (Operands()
+              .add("x", tile, x)
+              .add("z", tile, z)
+              .add("weight", pl.BlockSpec((static.group_pad,), lambda i, g: (g,)), weight))
+    outputs = Operands().add("out", tile, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return _operands.call(
+        functools.partial(_forward_kernel, static=static), inputs, outputs,
+        grid=(rows // static.block_rows, groups), num_warps=static.num_warps, num_stages=1,
+        interpret=static.interpret, name="rms_norm_gated_forward")["out"]
