@@ -1,5 +1,6 @@
 """Mamba2 mixer (mamba_ssm's `Mamba2` block) as a Flax NNX module, with decode caches."""
 
+import functools
 import math
 import numbers
 
@@ -191,10 +192,10 @@ class Mamba2(nnx.Module):
         mesh with Explicit axes it runs per shard; a sharded sequence takes each shard's
         history (and its sequence ids) from the shard before it (`_sharding.causal_halo`)."""
         weights = (self.conv_weight[...], None if self.conv_bias is None else self.conv_bias[...])
+        conv = functools.partial(_causal_conv, self.implementation)
         if token_features(xbc) is not None:
-            return causal_halo(_causal_conv, xbc, history, seq_idx, *weights)
-        return _causal_conv(xbc, history, seq_idx,
-                            None if seq_idx is None else _edge(seq_idx, history), *weights)
+            return causal_halo(conv, xbc, history, seq_idx, *weights)
+        return conv(xbc, history, seq_idx, None, *weights)
 
     def _heads(self, x, b, c):
         lead = x.shape[:-1]
@@ -338,29 +339,14 @@ def pre_norm_residual(block, h, x=None, seq_idx=None):
     return h + block.mixer(block.norm(h if x is None else x), seq_idx=seq_idx, decode=False)
 
 
-def _edge(seq_idx, history):
-    """Sequence ids of the history tokens before the first token: the first token's."""
-    return jnp.broadcast_to(seq_idx[:, :1], (seq_idx.shape[0], history.shape[1]))
-
-
-def _causal_conv(xbc, history, seq_idx, history_ids, weight, bias):
+def _causal_conv(implementation, xbc, history, seq_idx, history_ids, weight, bias):
     """SiLU(causal depthwise conv) of xbc (B, T, C) after `history` (B, K - 1, C), with
-    weight (K, C) and bias (C,) or None; taps that reach back into another sequence (by
-    `seq_idx` (B, T), with `history_ids` (B, K - 1) for the history) contribute nothing."""
-    width = weight.shape[0]
-    padded = jnp.concatenate([history.astype(xbc.dtype), xbc], axis=1)
-    ids = None if seq_idx is None else jnp.concatenate([history_ids, seq_idx], axis=1)
-    t = xbc.shape[1]
-    weight = weight.astype(jnp.float32)
-    out = jnp.zeros(xbc.shape, jnp.float32)
-    for k in range(width):  # tap k looks width - 1 - k tokens back
-        tap = padded[:, k:k + t].astype(jnp.float32) * weight[k]
-        if ids is not None and k < width - 1:
-            tap = jnp.where((seq_idx == ids[:, k:k + t])[..., None], tap, 0.0)
-        out += tap
-    if bias is not None:
-        out += bias.astype(jnp.float32)
-    return jax.nn.silu(out).astype(xbc.dtype)
+    weight (K, C) and bias (C,) or None (`pallas_kernels.causal_conv1d`); taps that reach back
+    into another sequence (by `seq_idx` (B, T), with `history_ids` (B, K - 1) for the history,
+    None: the first token's) contribute nothing."""
+    return pallas_kernels.causal_conv1d(
+        xbc, weight, bias, initial_states=history, seq_idx=seq_idx,
+        initial_seq_idx=history_ids, implementation=implementation)
 
 
 def _conv_history(history, xbc):

@@ -44,14 +44,15 @@ SHARED_LIMIT = 232448  # sm_90a: shared memory per block (227 KiB, opt-in)
 MIN_HOT_WAVES = 1  # gfx942: waves per SIMD a hot kernel keeps resident
 
 # Hot kernels, by what their pallas_call `name=` contains (pallas_kernels/attention/*.py,
-# pallas_kernels/mamba2/*.py, pallas_kernels/kv_cache/*.py, pallas_kernels/norm/*.py; SSD scan
-# kernels launched together get their names joined by "_").
+# pallas_kernels/mamba2/*.py, pallas_kernels/kv_cache/*.py, pallas_kernels/norm/*.py,
+# pallas_kernels/conv/*.py; SSD scan kernels launched together get their names joined by "_").
 HOT = {
     "attention": (r"attention_forward", r"attention_dkv", r"attention_dq"),
     "ssd": (r"ssd_forward_output",),
     "state_update": (),
     "decode": (r"attention_with_kv_cache",),
     "norm": (r"rms_norm_gated_forward", r"rms_norm_gated_backward"),
+    "conv": (r"causal_conv1d_forward", r"causal_conv1d_backward"),
 }
 
 

@@ -150,6 +150,20 @@ def _norm(channels, norm_before_gate, group_size=None):
     return make
 
 
+def _conv():
+    """The causal conv + SiLU forward and backward (vjp) at the zamba2-like mixer's x, B and C
+    channels (4224 = 4096 + 2 x 64), B 2 x T 4096, width 4, bf16."""
+    x = jax.ShapeDtypeStruct((2, 4096, 4224), jnp.bfloat16)
+    weight = jax.ShapeDtypeStruct((4, 4224), jnp.float32)
+    bias = jax.ShapeDtypeStruct((4224,), jnp.float32)
+
+    def train_step(x, weight, bias):
+        out, vjp = jax.vjp(pallas_kernels.causal_conv1d, x, weight, bias)
+        return out, vjp(out)
+
+    return "conv", train_step, (x, weight, bias)
+
+
 # Name -> make() returning (family, fn, args), args jax.ShapeDtypeStructs.
 CASES = {
     **{f"attn-h{hd}-{f}": _attention(hd, feature=f)
@@ -167,6 +181,7 @@ CASES = {
     "decode-bfloat16-dense-h80-t4": _decode(jnp.bfloat16, paged=False, head_dim=80, t=4),
     "norm-gated-d4096": _norm(4096, False),
     "norm-gated-d8192-g8": _norm(8192, True, group_size=1024),
+    "conv-mixer": _conv,
 }
 
 

@@ -1,0 +1,43 @@
+"""Argument checks of `causal_conv1d`: a TypeError or ValueError naming the argument, before
+anything is traced."""
+
+import jax.numpy as jnp
+
+from pallas_kernels import _dispatch
+
+ACTIVATIONS = ("silu", None)
+
+
+def check_arrays(x, weight, bias, initial_states, seq_idx, initial_seq_idx):
+    """x (B, T, C); weight (W, C); bias (C,); initial_states (B, W - 1, C); seq_idx (B, T)
+    and initial_seq_idx (B, W - 1) integers (initial_seq_idx only with seq_idx)."""
+    _dispatch.check_floats({"x": x, "weight": weight, "bias": bias,
+                            "initial_states": initial_states}, _dispatch.FLOATS,
+                           "bfloat16, float16, float32 or float64")
+    if x.ndim != 3:
+        raise ValueError(f"x must be (B, T, C), got {x.shape}")
+    b, t, c = x.shape
+    if weight.ndim != 2 or weight.shape[1] != c or weight.shape[0] < 1:
+        raise ValueError(f"weight must be (W, C) with C = {c}, got {weight.shape}")
+    width = weight.shape[0]
+    if bias is not None and bias.shape != (c,):
+        raise ValueError(f"bias must be (C,) = ({c},), got {bias.shape}")
+    if initial_states is not None and initial_states.shape != (b, width - 1, c):
+        raise ValueError(f"initial_states must be (B, W - 1, C) = {(b, width - 1, c)}, got "
+                         f"{initial_states.shape}")
+    for name, ids, shape in (("seq_idx", seq_idx, (b, t)),
+                             ("initial_seq_idx", initial_seq_idx, (b, width - 1))):
+        if ids is None:
+            continue
+        if not hasattr(ids, "dtype") or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array, got {getattr(ids, 'dtype', ids)}")
+        if ids.shape != shape:
+            raise ValueError(f"{name} must be {shape}, got {ids.shape}")
+    if initial_seq_idx is not None and seq_idx is None:
+        raise ValueError("initial_seq_idx needs seq_idx")
+
+
+def check_activation(activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return activation
