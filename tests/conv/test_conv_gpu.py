@@ -1,0 +1,57 @@
+"""The conv and norm kernels compiled for a real GPU, at the mixer's sizes and at ragged ones
+(T and C that are not multiples of the tiles: edge tiles masked on store, gathers clamped),
+forward and every gradient against the float32 references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from numerics import rel_error
+
+import pallas_kernels
+
+pytestmark = pytest.mark.gpu
+
+
+def _normals(seed, *shapes, dtype=jnp.bfloat16):
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return [jax.random.normal(k, s, dtype) for k, s in zip(keys, shapes, strict=True)]
+
+
+def _vjp_both(fn, args, dout):
+    """(outputs and gradients) of fn with the kernels and with the reference (float32 args)."""
+    results = []
+    for implementation, cast in (("pallas", None), ("xla", jnp.float32)):
+        values = args if cast is None else [a.astype(cast) for a in args]
+        out, vjp = jax.vjp(lambda *a, i=implementation: fn(*a, implementation=i), *values)
+        results.append([out, *vjp(dout if cast is None else dout.astype(cast))])
+    return results
+
+
+@pytest.mark.parametrize("b, t, c", [(4, 4096, 4224), (2, 77, 200), (1, 1, 128)])
+def test_conv_matches_the_reference_on_the_gpu(b, t, c):
+    x, dout, weight, bias, states = _normals(0, (b, t, c), (b, t, c), (4, c), (c,), (b, 3, c))
+
+    def conv(x, weight, bias, states, implementation):
+        return pallas_kernels.causal_conv1d(x, weight, bias, initial_states=states,
+                                            implementation=implementation)
+
+    kernel, ref = _vjp_both(conv, [x, weight, bias, states], dout)
+    for got, want in zip(kernel, ref, strict=True):
+        assert np.all(np.isfinite(np.asarray(got, np.float32)))
+        assert rel_error(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("shape, group_size, norm_before_gate",
+                         [((4, 4096, 4096), None, False), ((2, 77, 1024), 256, True)])
+def test_norm_matches_the_reference_on_the_gpu(shape, group_size, norm_before_gate):
+    x, z, dout, weight = _normals(1, shape, shape, shape, shape[-1:])
+
+    def norm(x, weight, z, implementation):
+        return pallas_kernels.rms_norm_gated(x, weight, z, group_size=group_size,
+                                             norm_before_gate=norm_before_gate,
+                                             implementation=implementation)
+
+    kernel, ref = _vjp_both(norm, [x, weight, z], dout)
+    for got, want in zip(kernel, ref, strict=True):
+        assert rel_error(got, want) < 2e-2
