@@ -73,13 +73,10 @@ def rms_norm_gated(
 
     def local(x, weight, z):
         rows = x.size // channels
-        blocks = tuning.tiles(_device.target()[0], rows, group_size)
         static = forward.Static(
             group_size=group_size, eps=eps, gated=z is not None,
-            norm_before_gate=norm_before_gate, block_rows=blocks.block_rows,
-            group_pad=blocks.group_pad, backward_blocks=blocks.backward_blocks,
-            num_warps=blocks.num_warps, backward_warps=blocks.backward_warps,
-            backward_stages=blocks.backward_stages, interpret=interpret)
+            norm_before_gate=norm_before_gate,
+            tiles=tuning.tiles(_device.target()[0], rows, group_size), interpret=interpret)
         flat = None if z is None else z.reshape(rows, channels)
         return _norm(static, x.reshape(rows, channels), weight, flat).reshape(x.shape)
 

@@ -24,13 +24,13 @@ from pallas_kernels.norm.forward import gate_and_slope, inverse_rms, within_grou
 
 def _backward_kernel(refs, *, static):
     program = pl.program_id(0)
-    row_blocks = refs.x.shape[0] // static.block_rows
-    first = program * static.backward_blocks
-    last = jnp.minimum(first + static.backward_blocks, row_blocks)
+    row_blocks = refs.x.shape[0] // static.tiles.block_rows
+    first = program * static.tiles.backward_blocks
+    last = jnp.minimum(first + static.tiles.backward_blocks, row_blocks)
     weight = within_group(refs.weight[...].astype(jnp.float32)[None, :], static)[0]
 
     def tile(j, weight_grad):
-        rows = _device.block_slice(j, static.block_rows)
+        rows = _device.block_slice(j, static.tiles.block_rows)
         x = refs.x[rows, :].astype(jnp.float32)
         grad = within_group(refs.dout[rows, :].astype(jnp.float32), static)
         gate = slope = None
@@ -55,7 +55,7 @@ def _backward_kernel(refs, *, static):
         return weight_grad
 
     refs.dweight[...] = jax.lax.fori_loop(
-        first, last, tile, jnp.zeros((static.group_pad,), jnp.float32))
+        first, last, tile, jnp.zeros((static.tiles.group_pad,), jnp.float32))
 
 
 def gradients(x, weight, z, dout, *, static):
@@ -63,22 +63,22 @@ def gradients(x, weight, z, dout, *, static):
     None, given dout (M, D); dweight float32."""
     rows, channels = x.shape
     groups = channels // static.group_size
-    programs = _device.cdiv(rows // static.block_rows, static.backward_blocks)
+    programs = _device.cdiv(rows // static.tiles.block_rows, static.tiles.backward_blocks)
     # Each program walks whole columns of row tiles: its blocks span every row.
-    column = pl.BlockSpec((rows, static.group_pad), lambda p, g: (0, g))
+    column = pl.BlockSpec((rows, static.tiles.group_pad), lambda p, g: (0, g))
     inputs = (Operands()
               .add("x", column, x)
               .add("z", column, z)
               .add("dout", column, dout)
-              .add("weight", pl.BlockSpec((static.group_pad,), lambda p, g: (g,)), weight))
+              .add("weight", pl.BlockSpec((static.tiles.group_pad,), lambda p, g: (g,)), weight))
     outputs = (Operands()
                .add("dx", column, jax.ShapeDtypeStruct(x.shape, x.dtype))
                .add("dz", column, None if z is None else jax.ShapeDtypeStruct(z.shape, z.dtype))
-               .add("dweight", pl.BlockSpec((None, static.group_pad), lambda p, g: (p, g)),
+               .add("dweight", pl.BlockSpec((None, static.tiles.group_pad), lambda p, g: (p, g)),
                     jax.ShapeDtypeStruct((programs, channels), jnp.float32)))
     result = _operands.call(
         functools.partial(_backward_kernel, static=static), inputs, outputs,
-        grid=(programs, groups), num_warps=static.backward_warps,
-        num_stages=static.backward_stages,
+        grid=(programs, groups), num_warps=static.tiles.backward_warps,
+        num_stages=static.tiles.backward_stages,
         interpret=static.interpret, name="rms_norm_gated_backward")
     return result["dx"], result.get("dz"), jnp.sum(result["dweight"], axis=0)

@@ -25,12 +25,7 @@ class Static:
     eps: float
     gated: bool  # z is given
     norm_before_gate: bool
-    block_rows: int
-    group_pad: int
-    backward_blocks: int
-    num_warps: int
-    backward_warps: int
-    backward_stages: int
+    tiles: object  # tuning.NormTiles
     interpret: bool
 
 
@@ -42,7 +37,7 @@ def gate_and_slope(z):
 
 def within_group(values, static):
     """`values` (rows, group_pad) with the columns past the group set to 0."""
-    if static.group_pad == static.group_size:
+    if static.tiles.group_pad == static.group_size:
         return values
     columns = jax.lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
     return jnp.where(columns < static.group_size, values, 0.0)
@@ -72,13 +67,13 @@ def normalise(x, weight, z, *, static):
     returns (M, D) in x's dtype."""
     rows, channels = x.shape
     groups = channels // static.group_size
-    tile = pl.BlockSpec((static.block_rows, static.group_pad), lambda i, g: (i, g))
+    tile = pl.BlockSpec((static.tiles.block_rows, static.tiles.group_pad), lambda i, g: (i, g))
     inputs = (Operands()
               .add("x", tile, x)
               .add("z", tile, z)
-              .add("weight", pl.BlockSpec((static.group_pad,), lambda i, g: (g,)), weight))
+              .add("weight", pl.BlockSpec((static.tiles.group_pad,), lambda i, g: (g,)), weight))
     outputs = Operands().add("out", tile, jax.ShapeDtypeStruct(x.shape, x.dtype))
     return _operands.call(
         functools.partial(_forward_kernel, static=static), inputs, outputs,
-        grid=(rows // static.block_rows, groups), num_warps=static.num_warps, num_stages=1,
-        interpret=static.interpret, name="rms_norm_gated_forward")["out"]
+        grid=(rows // static.tiles.block_rows, groups), num_warps=static.tiles.num_warps,
+        num_stages=1, interpret=static.interpret, name="rms_norm_gated_forward")["out"]
