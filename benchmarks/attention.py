@@ -9,10 +9,21 @@ CPU smoke test (Pallas kernels in interpret mode; the GPU-only baselines record 
 
     python -m benchmarks.attention --quick --interpret
 
-Sweep: self-attention, bf16, hidden size 2048 (N = 2048 / H heads), 16384 tokens per batch
+Sweep: self-attention, bf16, hidden size 2048 (N = 2048 / H query heads), 16384 tokens per batch
 (B = 16384 // T, at least 1), causal and full, forward and forward+backward, at head dims 64 and
-128 with T 2048 and 8192, head dim 128 with T 16384 and 32768, head dim 256 with T 2048 and 8192.
-FLOPs: forward 4·B·N·T²·H, halved when causal; forward+backward 3.5 times the forward.
+128 with T 2048 and 8192, head dim 128 with T 16384 and 32768, head dim 256 with T 2048 and 8192
+(`--product`: every `--head-dims` with every `--seq-lens`). `--groups 1,4,8,mqa` adds grouped
+key/value heads (N / G of them; MQA: one), `--masks causal,full,window` a causal sliding window
+of `--window` keys (1024). Issue 28's sweep (99 shapes: one call per head dim fits a device
+call's 10 minutes with the main peers):
+
+    python -m benchmarks.attention --product --head-dims 128 --seq-lens 2048,8192,32768 \
+        --groups 1,4,8,mqa --masks causal,full,window --metric amortised \
+        --impls ours,jax_cudnn,tokamax_triton,torch_flash --tag h200_sweep_d128
+
+FLOPs: 4·B·N·H per visible (query, key) pair (T² full, T(T+1)/2 causal, fewer in a window);
+forward+backward 3.5 times the forward. Peers that cannot run a case (jax's Pallas mha with
+grouped heads or a window; torch's SDPA with a window) are recorded as skipped.
 
 Each (shape, implementation, mode) is measured on its own; a failure (unsupported shape, OOM,
 missing package) is recorded as an error and the sweep goes on. Forward outputs are checked
@@ -52,6 +63,7 @@ SWEEP = [
     (128, 16384), (128, 32768), (256, 2048), (256, 8192),
 ]
 QUICK_SHAPE = dict(batch=2, seq_len=256, heads=2, head_dim=64)
+MASKS = ("causal", "full", "window")
 FWDBWD_FLOP_FACTOR = 3.5
 REFERENCE_ROWS = 256
 # The record field that --metric shows in the tables and plot.
@@ -66,20 +78,39 @@ class Shape:
     heads: int
     head_dim: int
     causal: bool
+    kv_heads: int | None = None  # None: heads (MHA)
+    window: int | None = None  # a causal window: keys at most `window` before the query
 
     @property
     def label(self):
-        return f"d{self.head_dim} T{self.seq_len} {'causal' if self.causal else 'full'}"
+        mask = (f"window{self.window}" if self.window is not None
+                else "causal" if self.causal else "full")
+        heads = "" if self.groups == 1 else f" {self.heads}:{self.kv_heads}"
+        return f"d{self.head_dim} T{self.seq_len} {mask}{heads}"
+
+    @property
+    def groups(self):
+        return 1 if self.kv_heads is None else self.heads // self.kv_heads
 
     @property
     def scale(self):
         return 1.0 / math.sqrt(self.head_dim)
 
+    def visible_pairs(self):
+        """(query, key) pairs a row attends to."""
+        t = self.seq_len
+        if self.window is not None:
+            w = min(self.window, t - 1)  # query i sees keys max(0, i - w) .. i
+            return (w + 1) * (w + 2) // 2 + (t - w - 1) * (w + 1)
+        return t * (t + 1) // 2 if self.causal else t * t
+
     def flops(self, mode):
-        forward = 4 * self.batch * self.heads * self.seq_len**2 * self.head_dim
-        if self.causal:
-            forward /= 2
+        forward = 4 * self.batch * self.heads * self.visible_pairs() * self.head_dim
         return forward * (FWDBWD_FLOP_FACTOR if mode == "fwdbwd" else 1)
+
+    def window_args(self):
+        """jax.nn's `local_window_size` keyword for this shape (none without a window)."""
+        return {} if self.window is None else {"local_window_size": (self.window, 0)}
 
 
 # --- JAX implementations: each builds attn(q, k, v) -> out for a shape, layout (B, T, N, H). ---
@@ -109,13 +140,14 @@ def build_ours(shape, opts):
     return functools.partial(
         pallas_kernels.dot_product_attention, scale=shape.scale, is_causal=shape.causal,
         implementation="pallas", block_sizes=block_sizes, interpret=opts.interpret or None,
+        **shape.window_args(),
     )
 
 
 def build_jax_cudnn(shape, opts):
     return functools.partial(
         jax.nn.dot_product_attention, scale=shape.scale, is_causal=shape.causal,
-        implementation="cudnn",
+        implementation="cudnn", **shape.window_args(),
     )
 
 
@@ -127,11 +159,13 @@ def build_jax_xla(shape, opts):
         )
     return functools.partial(
         jax.nn.dot_product_attention, scale=shape.scale, is_causal=shape.causal,
-        implementation="xla",
+        implementation="xla", **shape.window_args(),
     )
 
 
 def build_jax_pallas_mha(shape, opts):
+    if shape.groups != 1 or shape.window is not None:
+        raise _harness.SkippedError("jax's Pallas mha takes equal query and key heads, no window")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from jax.experimental.pallas.ops.gpu import attention
@@ -148,7 +182,7 @@ def tokamax_builder(implementation):
 
         return functools.partial(
             tokamax.dot_product_attention, scale=shape.scale, is_causal=shape.causal,
-            implementation=implementation,
+            implementation=implementation, **shape.window_args(),
         )
 
     return build
@@ -175,21 +209,28 @@ DEFAULT_IMPLS = [
 
 
 def make_inputs(shape, seed):
-    """Fresh standard-normal q, k, v and output cotangent, (B, T, N, H) bfloat16."""
+    """Fresh standard-normal q and output cotangent (B, T, N, H) and k, v (B, T, K, H),
+    bfloat16."""
     dims = (shape.batch, shape.seq_len, shape.heads, shape.head_dim)
+    kv_dims = (*dims[:2], shape.heads // shape.groups, shape.head_dim)
     keys = jax.random.split(jax.random.key(seed), 4)
-    return tuple(jax.random.normal(key, dims, jnp.bfloat16) for key in keys)
+    return tuple(jax.random.normal(key, d, jnp.bfloat16)
+                 for key, d in zip(keys, (dims, kv_dims, kv_dims, dims), strict=True))
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "rows"))
-def reference_tail(q, k, v, *, causal, rows):
+@functools.partial(jax.jit, static_argnames=("causal", "rows", "window"))
+def reference_tail(q, k, v, *, causal, rows, window=None):
     """float32 attention output of the last `rows` queries of batch row 0: (rows, N, H)."""
-    t, head_dim = q.shape[1], q.shape[3]
+    t, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
     hi = jax.lax.Precision.HIGHEST
     q_tail, k0, v0 = (x.astype(jnp.float32) for x in (q[0, t - rows:], k[0], v[0]))
+    k0, v0 = (jnp.repeat(x, heads // x.shape[1], axis=1) for x in (k0, v0))  # grouped heads
     logits = jnp.einsum("qnh,knh->nqk", q_tail, k0, precision=hi) / math.sqrt(head_dim)
     if causal:
-        visible = jnp.arange(t)[None, :] <= jnp.arange(t - rows, t)[:, None]
+        keys, queries = jnp.arange(t)[None, :], jnp.arange(t - rows, t)[:, None]
+        visible = keys <= queries
+        if window is not None:
+            visible &= keys >= queries - window
         logits = jnp.where(visible[None], logits, -jnp.inf)
     return jnp.einsum("nqk,knh->qnh", jax.nn.softmax(logits, axis=-1), v0, precision=hi)
 
@@ -198,7 +239,8 @@ def inputs_and_reference(shape, seed):
     """make_inputs and the reference_tail of up to REFERENCE_ROWS rows, as numpy."""
     inputs = make_inputs(shape, seed)
     rows = min(REFERENCE_ROWS, shape.seq_len)
-    return inputs, np.asarray(reference_tail(*inputs[:3], causal=shape.causal, rows=rows))
+    return inputs, np.asarray(reference_tail(*inputs[:3], causal=shape.causal, rows=rows,
+                                             window=shape.window))
 
 
 # --- Measurements. ---
@@ -228,6 +270,8 @@ def measure_torch(backend_name, shape, mode, inputs, reference, opts):
     torch = _harness.import_torch_cuda()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if shape.window is not None:
+        raise _harness.SkippedError("torch's SDPA backends take no sliding window")
     backend = getattr(SDPBackend, backend_name)
     # The JAX inputs, bit for bit (bf16 -> f32 -> bf16 is exact), in torch's (B, N, T, H).
     q, k, v, dout = (
@@ -239,7 +283,8 @@ def measure_torch(backend_name, shape, mode, inputs, reference, opts):
     def forward():
         with sdpa_kernel([backend]):
             return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=shape.causal, scale=shape.scale
+                q, k, v, is_causal=shape.causal, scale=shape.scale,
+                enable_gqa=shape.groups != 1,
             )
 
     result = {}
@@ -306,7 +351,7 @@ def ratio_summary(records, labels, metric):
     """ours' fwd+bwd TFLOP/s, its speed relative to two baselines, and its XLA temp memory."""
     by_key = _harness.index_records(records)
     field = METRIC_FIELDS[metric]
-    baselines = ["tokamax_triton", "torch_flash"]
+    baselines = ["tokamax_triton", "torch_flash", "jax_cudnn"]
     rows = []
     for label in labels:
         ours = by_key.get((label, "ours", "fwdbwd"))
@@ -344,7 +389,14 @@ def parse_args(argv=None):
                         help="e.g. 64,128 (default: all)")
     parser.add_argument("--seq-lens", type=_harness.comma_list(int),
                         help="e.g. 2048,8192 (default: all)")
-    parser.add_argument("--causal", choices=["both", "causal", "full"], default="both")
+    parser.add_argument("--product", action="store_true",
+                        help="every --head-dims with every --seq-lens (not only the sweep's pairs)")
+    parser.add_argument("--masks", type=_harness.comma_list(str), default=["causal", "full"],
+                        help="of causal, full, window (default: causal,full)")
+    parser.add_argument("--window", type=int, default=1024,
+                        help="the 'window' mask's keys before each query (default 1024)")
+    parser.add_argument("--groups", type=_harness.comma_list(str), default=["1"],
+                        help="query heads per key/value head, e.g. 1,4,8,mqa (default: 1)")
     _harness.add_selection_arguments(
         parser, default_impls=DEFAULT_IMPLS,
         impls_help=f"of {','.join([*JAX_IMPLS, *TORCH_IMPLS])} "
@@ -361,21 +413,54 @@ def parse_args(argv=None):
     _harness.add_output_arguments(parser, "attention")
     args = parser.parse_args(argv)
     _harness.check_common_arguments(parser, args, [*JAX_IMPLS, *TORCH_IMPLS])
+    unknown = sorted(set(args.masks) - set(MASKS))
+    if unknown:
+        parser.error(f"--masks: unknown {','.join(unknown)} (of {','.join(MASKS)})")
+    if args.window < 1:
+        parser.error(f"--window must be at least 1, got {args.window}")
+    for group in args.groups:
+        if group != "mqa" and not (group.isdigit() and int(group) >= 1):
+            parser.error(f"--groups: {group!r} is neither a positive integer nor mqa")
+    if args.product and not (args.head_dims and args.seq_lens):
+        parser.error("--product needs --head-dims and --seq-lens")
     return args
 
 
+def _masks(args):
+    """(causal, window) of each --masks entry."""
+    return [{"causal": (True, None), "full": (False, None), "window": (True, args.window)}[m]
+            for m in args.masks]
+
+
+def _kv_heads(heads, group):
+    """Key/value heads for `heads` query heads at a --groups entry; None: not a divisor."""
+    if group == "mqa":
+        return 1
+    return heads // int(group) if heads % int(group) == 0 else None
+
+
 def build_sweep(args):
-    causal_values = {"both": (True, False), "causal": (True,), "full": (False,)}[args.causal]
     if args.quick:
-        return [Shape(**QUICK_SHAPE, causal=causal) for causal in causal_values]
-    return [
-        Shape(batch=max(1, TOKENS_PER_BATCH // seq_len), seq_len=seq_len,
-              heads=HIDDEN // head_dim, head_dim=head_dim, causal=causal)
-        for head_dim, seq_len in SWEEP
-        if (not args.head_dims or head_dim in args.head_dims)
-        and (not args.seq_lens or seq_len in args.seq_lens)
-        for causal in causal_values
-    ]
+        pairs, base = [(QUICK_SHAPE["head_dim"], QUICK_SHAPE["seq_len"])], QUICK_SHAPE
+    elif args.product:
+        pairs, base = [(d, t) for d in args.head_dims for t in args.seq_lens], None
+    else:
+        pairs = [(d, t) for d, t in SWEEP if (not args.head_dims or d in args.head_dims)
+                 and (not args.seq_lens or t in args.seq_lens)]
+        base = None
+    shapes = []
+    for head_dim, seq_len in pairs:
+        batch = base["batch"] if base else max(1, TOKENS_PER_BATCH // seq_len)
+        heads = base["heads"] if base else HIDDEN // head_dim
+        for group in args.groups:
+            kv_heads = _kv_heads(heads, group)
+            if kv_heads is None:
+                continue
+            for causal, window in _masks(args):
+                shapes.append(Shape(batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim,
+                                    causal=causal, kv_heads=None if kv_heads == heads else kv_heads,
+                                    window=window))
+    return list(dict.fromkeys(shapes))  # MQA may repeat a group
 
 
 def main(argv=None):
