@@ -14,10 +14,10 @@ Sweep: self-attention, bf16, hidden size 2048 (N = 2048 / H query heads), 16384 
 128 with T 2048 and 8192, head dim 128 with T 16384 and 32768, head dim 256 with T 2048 and 8192
 (`--product`: every `--head-dims` with every `--seq-lens`). `--groups 1,4,8,mqa` adds grouped
 key/value heads (N / G of them; MQA: one), `--masks causal,full,window` a causal sliding window
-of `--window` keys (1024). Issue 28's sweep (99 shapes: one call per head dim fits a device
-call's 10 minutes with the main peers):
+of `--window` keys (1024). Issue 28's sweep is 99 shapes; split it over device calls by head dim
+and length (its JSON is rewritten after each shape, so a call cut short keeps what it measured):
 
-    python -m benchmarks.attention --product --head-dims 128 --seq-lens 2048,8192,32768 \
+    python -m benchmarks.attention --product --head-dims 128 --seq-lens 2048,8192 \
         --groups 1,4,8,mqa --masks causal,full,window --metric amortised \
         --impls ours,jax_cudnn,tokamax_triton,torch_flash --tag h200_sweep_d128
 
