@@ -26,6 +26,7 @@ class Static:
     width: int  # W, taps
     history_rows: int  # the initial states' rows, padded at the front to a power of two
     silu: bool
+    initial_states: bool  # given by the caller (else zeros, whose gradient is not needed)
     forward_tiles: object  # tuning.ConvTiles
     backward_tiles: object
     interpret: bool

@@ -57,9 +57,10 @@ def plan(device_kind, batch, kv_heads, capacity, page_size=None, num_splits=None
     else:
         block_k = _dense_block(capacity, blocks.block_k)
     total = _device.cdiv(capacity, block_k)
-    splits = min(total, num_splits or splits_for(device_kind, batch, kv_heads, capacity,
+    wanted = min(total, num_splits or splits_for(device_kind, batch, kv_heads, capacity,
                                                  block_k))
-    per_split = _device.cdiv(total, splits)
+    # The power of two first, then the blocks per split: its splits share the blocks evenly.
+    per_split = _device.cdiv(total, _device.pow2_at_least(wanted, minimum=1))
     if per_split <= UNPIPELINED_BLOCKS:
         blocks = dataclasses.replace(blocks, num_stages=1)
     return Plan(dataclasses.replace(blocks, block_k=block_k),

@@ -47,12 +47,13 @@ def rms_norm_gated(
       eps: added to the mean square, > 0.
       group_size: channels per group, dividing D; None: D (one group).
       norm_before_gate: where the gate applies (see above).
-      sharding: as for `mamba_chunk_scan_combined` (a NamedSharding or PartitionSpec of x);
-        None reads x's own on meshes with Explicit axes.
+      sharding: as for `mamba_chunk_scan_combined` (a NamedSharding or PartitionSpec of x,
+        which must then be (B, T, D)); None reads a (B, T, D) x's own on meshes with Explicit
+        axes.
       implementation: "pallas" (the kernels), "xla" (the reference) or None (the kernels on
-        a GPU, the reference elsewhere). Groups whose size is not a power of two (read
-        padded, the kernels were slower than XLA: 5120 channels 0.76x on the H200), wider than
-        8192 channels (`tuning.MAX_GROUP`), and float64 run the reference.
+        a GPU, the reference elsewhere). Groups whose size is not a power of two (read padded,
+        the kernels were slower than XLA: 5120 channels 0.76x on the H200), wider than 8192
+        channels (`tuning.MAX_GROUP`), and float64 run the reference.
       interpret: run the kernels in interpret mode; None: when not on a GPU.
 
     Returns:
@@ -80,6 +81,8 @@ def rms_norm_gated(
         flat = None if z is None else z.reshape(rows, channels)
         return _norm(static, x.reshape(rows, channels), weight, flat).reshape(x.shape)
 
+    if sharding is not None and x.ndim != 3:
+        raise ValueError(f"sharding: x must be (B, T, D) on a mesh, got {x.shape}")
     placement = None
     if x.ndim == 3:
         placement = _sharding.find("x", x, sharding, feature_dims=(2,))

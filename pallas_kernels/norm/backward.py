@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _device, _operands
 from pallas_kernels._operands import Operands
-from pallas_kernels.norm.forward import gate_and_slope, inverse_rms, within_group
+from pallas_kernels.norm.forward import gate_and_slope, inverse_rms
 
 
 def _backward_kernel(refs, *, static):
@@ -27,17 +27,17 @@ def _backward_kernel(refs, *, static):
     row_blocks = refs.x.shape[0] // static.tiles.block_rows
     first = program * static.tiles.backward_blocks
     last = jnp.minimum(first + static.tiles.backward_blocks, row_blocks)
-    weight = within_group(refs.weight[...].astype(jnp.float32)[None, :], static)[0]
+    weight = refs.weight[...].astype(jnp.float32)
 
     def tile(j, weight_grad):
         rows = _device.block_slice(j, static.tiles.block_rows)
         x = refs.x[rows, :].astype(jnp.float32)
-        grad = within_group(refs.dout[rows, :].astype(jnp.float32), static)
+        grad = refs.dout[rows, :].astype(jnp.float32)
         gate = slope = None
         if static.gated:
             gate, slope = gate_and_slope(refs.z[rows, :].astype(jnp.float32))
         gate_first = gate is not None and not static.norm_before_gate
-        v = within_group(x * gate if gate_first else x, static)
+        v = x * gate if gate_first else x
         r = inverse_rms(v, static)[:, None]
         normalised = v * r
         if gate is not None and static.norm_before_gate:

@@ -1,9 +1,9 @@
 """The gated RMSNorm forward kernel (Pallas, Triton lowering).
 
 One program per (tile of `block_rows` rows, group): it reads the tile's x (and z) once, whole
-groups padded to a power of two and masked past the group, and writes the normalised output in
-x's dtype. Nothing else is kept for the backward, which recomputes the row statistics from the
-same reads (`backward.py`).
+groups (a power of two of channels: `api` sends other sizes to the reference), and writes the
+normalised output in x's dtype. Nothing else is kept for the backward, which recomputes the row
+statistics from the same reads (`backward.py`).
 """
 
 import dataclasses
@@ -35,17 +35,8 @@ def gate_and_slope(z):
     return z * sigmoid, sigmoid * (1.0 + z * (1.0 - sigmoid))
 
 
-def within_group(values, static):
-    """`values` (rows, group_pad) with the columns past the group set to 0."""
-    if static.tiles.group_pad == static.group_size:
-        return values
-    columns = jax.lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
-    return jnp.where(columns < static.group_size, values, 0.0)
-
-
 def inverse_rms(v, static):
-    """1 / sqrt(mean(v**2 over the group) + eps) per row of v (rows, group_pad), zero past the
-    group."""
+    """1 / sqrt(mean(v**2 over the group) + eps) per row of v (rows, group_size)."""
     return jax.lax.rsqrt(jnp.sum(v * v, axis=1) / static.group_size + static.eps)
 
 
@@ -55,7 +46,7 @@ def _forward_kernel(refs, *, static):
     gate = None
     if static.gated:
         gate, _ = gate_and_slope(refs.z[...].astype(jnp.float32))
-    v = within_group(x * gate if gate is not None and not static.norm_before_gate else x, static)
+    v = x * gate if gate is not None and not static.norm_before_gate else x
     out = v * inverse_rms(v, static)[:, None] * weight[None, :]
     if gate is not None and static.norm_before_gate:
         out = out * gate

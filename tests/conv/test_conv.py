@@ -22,6 +22,8 @@ CASES = [
     ("short", 2, 3, 128, 4, False, True, "silu", F32),
     ("no-activation", 2, 70, 128, 2, True, True, None, BF16),
     ("width-8", 1, 100, 64, 8, True, True, "silu", F32),
+    ("width-3", 2, 65, 128, 3, True, True, "silu", F32),
+    ("width-1", 1, 20, 64, 1, True, False, None, F32),
 ]
 
 

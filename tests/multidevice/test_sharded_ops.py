@@ -132,6 +132,48 @@ def test_ssd_matches_unsharded(case, sharding, explicit):
     _assert_same(got, _unsharded(ssd, inputs["x"], rest), 2e-5)
 
 
+# Token-wise ops: batch or sequence sharding (the norm), batch only (the conv).
+TOKEN_SHARDINGS = [("batch-8", "8", P("data")), ("sequence-8", "8", P(None, "data"))]
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["make_mesh", "classic"])
+@pytest.mark.parametrize("sharding", TOKEN_SHARDINGS, ids=[s[0] for s in TOKEN_SHARDINGS])
+def test_gated_norm_matches_unsharded(sharding, explicit):
+    """Per shard, and the weight's gradient summed over the shards."""
+    keys = jax.random.split(jax.random.key(seed("norm", sharding[0])), 3)
+    x, z = (jax.random.normal(k, (8, 32, 64)) for k in keys[:2])
+    weight = 1.0 + 0.1 * jax.random.normal(keys[2], (64,))
+
+    def norm(x, weight, z, **extra):
+        return pallas_kernels.rms_norm_gated(x, weight, z, norm_before_gate=False,
+                                             implementation="pallas", **extra)
+
+    got = _sharded(norm, _mesh(sharding[1], explicit), sharding[2], explicit, x, (weight, z))
+    _assert_same(got, _unsharded(norm, x, (weight, z)), 2e-5)
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["make_mesh", "classic"])
+def test_causal_conv_matches_unsharded_over_the_batch(explicit):
+    keys = jax.random.split(jax.random.key(seed("conv")), 4)
+    x = jax.random.normal(keys[0], (8, 40, 64))
+    weight, bias = jax.random.normal(keys[1], (4, 64)), jax.random.normal(keys[2], (64,))
+    states = jax.random.normal(keys[3], (8, 3, 64))
+
+    def conv(x, weight, bias, states, **extra):
+        return pallas_kernels.causal_conv1d(x, weight, bias, initial_states=states,
+                                            implementation="pallas", **extra)
+
+    got = _sharded(conv, _mesh("8", explicit), P("data"), explicit, x, (weight, bias, states))
+    _assert_same(got, _unsharded(conv, x, (weight, bias, states)), 2e-5)
+
+
+def test_causal_conv_refuses_a_sharded_sequence():
+    x = jnp.zeros((2, 64, 16))
+    with pytest.raises(ValueError, match="x: its sequence is sharded over mesh axis 'data'"):
+        pallas_kernels.causal_conv1d(x, jnp.ones((4, 16)), implementation="pallas",
+                                     sharding=NamedSharding(_mesh("8", False), P(None, "data")))
+
+
 def test_no_kernel_input_is_gathered():
     mesh = _mesh("2x4", explicit=False)
     sharding = NamedSharding(mesh, P("data", None, "tensor"))

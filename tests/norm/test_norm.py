@@ -22,7 +22,7 @@ CASES = [
     ("gate-after", (2, 64), 256, None, True, True, F32),
     ("plain", (3, 77), 128, None, False, True, BF16),
     ("groups", (2, 32), 256, 64, True, False, F32),
-    ("d80-odd-rows", (1, 77), 80, None, True, False, F32),
+    ("d80-runs-the-reference", (1, 77), 80, None, True, False, F32),
     ("d80-groups-of-16", (2, 8), 80, 16, True, True, BF16),
     ("wide", (1, 16), 4096, None, True, False, BF16),
 ]
