@@ -220,13 +220,11 @@ class Mamba2(nnx.Module):
 
         y, z (..., d_ssm); mlp [z0, x0] (..., 2 d_mlp).
         """
-        if self.rmsnorm and not features_sharded(y):  # the kernels read whole groups
+        if self.rmsnorm:  # y split over heads runs the reference (the kernels read whole groups)
             y = pallas_kernels.rms_norm_gated(
                 y, self.norm_weight[...], z, eps=self.norm_eps,
                 group_size=self.d_ssm // self.ngroups, norm_before_gate=self.norm_before_gate,
-                implementation=self.implementation)
-        elif self.rmsnorm:
-            y = self._sharded_norm(y, z)
+                implementation="xla" if features_sharded(y) else self.implementation)
         y = y.astype(jnp.float32)
         if self.d_mlp:
             z0, x0 = jnp.split(mlp.astype(jnp.float32), 2, axis=-1)
@@ -236,25 +234,6 @@ class Mamba2(nnx.Module):
             y = jnp.concatenate([jax.nn.silu(z0) * x0, y], axis=-1)
         dtype = self.dtype or self.out_proj.kernel[...].dtype
         return self.out_proj(y.astype(dtype), out_sharding=token_features(z))
-
-    def _sharded_norm(self, y, z):
-        """The gated norm in jnp for y (..., d_ssm) split over heads (its mean reduces across
-        the shards), float32."""
-        y = y.astype(jnp.float32)
-        gate = jax.nn.silu(z.astype(jnp.float32))
-        if not self.norm_before_gate:
-            y = y * gate
-        if self.ngroups == 1:  # no reshape: y may be sharded over heads (a tensor axis)
-            y = y * jax.lax.rsqrt(jnp.mean(y**2, axis=-1, keepdims=True) + self.norm_eps)
-        else:
-            groups = y.reshape(*y.shape[:-1], self.ngroups, -1)
-            groups = groups * jax.lax.rsqrt(
-                jnp.mean(groups**2, axis=-1, keepdims=True) + self.norm_eps)
-            y = groups.reshape(y.shape)
-        y = y * self.norm_weight[...].astype(jnp.float32)
-        if self.norm_before_gate:
-            y = y * gate
-        return y
 
     def __call__(self, u: jax.Array, *, seq_idx: jax.Array | None = None,
                  decode: bool | None = None, lengths: jax.Array | None = None) -> jax.Array:

@@ -39,6 +39,8 @@ def _backward_kernel(refs, *, static):
         term = refs.weight[static.width - 1 - j, :].astype(jnp.float32)[None, :] * grad
         dx = term if dx is None else dx + term
         if j == 0:  # this tile's own rows: its part of the weight's and the bias's gradients
+            # The taps are gathered again (cache hits) rather than kept from pre_activation: W
+            # more live tiles would not fit the registers.
             for k in range(static.width):
                 tap = token_rows(refs, rows - (static.width - 1 - k), static)
                 refs.dweight[k, :] = jnp.sum(grad * tap, axis=0)

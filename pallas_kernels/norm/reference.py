@@ -14,7 +14,9 @@ def rms_norm_gated(x, weight, z=None, *, eps, group_size, norm_before_gate):
     gate = None if z is None else jax.nn.silu(z.astype(compute))
     if gate is not None and not norm_before_gate:
         v = v * gate
-    groups = v.reshape(*v.shape[:-1], -1, group_size)
+    # One group is not reshaped: x's channels may be split over a mesh axis (the mean then
+    # reduces across the shards).
+    groups = v if group_size == v.shape[-1] else v.reshape(*v.shape[:-1], -1, group_size)
     mean_square = jnp.mean(jnp.square(groups), axis=-1, keepdims=True)
     out = (groups * jax.lax.rsqrt(mean_square + eps)).reshape(v.shape) * weight.astype(compute)
     if gate is not None and norm_before_gate:
