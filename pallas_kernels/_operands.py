@@ -50,15 +50,24 @@ def bind(inputs, outputs, refs):
 
 
 def call(kernel, inputs, outputs, *, grid, num_warps, num_stages, interpret, name,
-         aliases=None):
+         aliases=None, masks_edges=False):
     """`pl.pallas_call` of `kernel(refs)` (`Refs`) over the named inputs and outputs, lowered
     through Triton with `num_warps` and `num_stages`; returns the outputs as a dict by name.
+
+    Every block must tile its array whole (each blocked size divides the array's), unless
+    `masks_edges`: the kernel then loads and stores its edge tiles through explicit masks
+    (`plt.load` / `plt.store`). jax 0.11's Pallas-Triton masks no block that overhangs its
+    array (0.12's does), so there an edge tile would read and write other buffers: a
+    ValueError names the operand before anything runs.
 
     `aliases` {input name: output name} makes each such output share its input's buffer (the
     kernel updates it in place; under `jax.jit` with the input donated no copy is made): the
     output must have the input's shape and dtype, and the kernel must write every part of it
     that should change, as the rest keeps the input's values.
     """
+
+    if not masks_edges:
+        _check_whole_blocks(name, inputs, outputs)
 
     def positional(*refs):
         kernel(bind(inputs, outputs, refs))
@@ -80,3 +89,16 @@ def call(kernel, inputs, outputs, *, grid, num_warps, num_stages, interpret, nam
         interpret=interpret, name=name,
     )(*(_sharding.vary(x, axes) for x in inputs.values))
     return dict(zip(outputs.names, results, strict=True))
+
+
+def _check_whole_blocks(name, *groups):
+    """Raises ValueError for an operand whose block does not tile its array whole."""
+    for group in groups:
+        for operand, spec, value in zip(group.names, group.specs, group.values, strict=True):
+            block = getattr(spec, "block_shape", None)
+            for size, extent in zip(block or (), value.shape if block else (), strict=True):
+                if isinstance(size, int) and extent % size:
+                    raise ValueError(
+                        f"{name}: operand {operand!r}: block {tuple(block)} does not tile its "
+                        f"array {tuple(value.shape)}; pad the array to whole blocks, or mask the "
+                        "edge tiles in the kernel and pass masks_edges=True")

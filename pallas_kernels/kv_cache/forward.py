@@ -8,8 +8,8 @@ pages gathered by their ids), decodes 8-bit entries to the query's dtype, folds 
 the logits (keys) and the probabilities (values), and keeps a running max and sum (online
 softmax, base 2). It writes its normalised partial output and base-2 log-sum-exp. Blocks
 outside the row's visible range are never read; a split with none writes sum 0 (lse -inf) and
-exits. The head dim is read through a power-of-two block, masked past H, so the cache is never
-padded or copied.
+exits. The head dim is read through a power-of-two block whose lanes past H are masked loads,
+so the cache is never padded or copied.
 
 A second kernel (`merge`) weighs the splits' partials by their log-sum-exp and writes the
 output in q's layout and dtype: one program per (batch row, KV head, query row, slice of the
@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import _device, _operands
 from pallas_kernels._operands import Operands
@@ -51,19 +52,34 @@ class Static:
 
 
 def _read(refs, cache, scales, b, j, static):
-    """Block j of a row's keys or values: (block_k, H_pad) entries and (block_k,) scales or
-    None, from the dense row or from the pages the row's block table names."""
-    bk = static.block_k
+    """Block j of a row's keys or values: (block_k, H_pad) entries (zeros past H) and
+    (block_k,) scales or None, from the dense row or from the pages the row's block table
+    names. Lanes past H are masked loads, never read: the last head's would lie past the
+    cache."""
+    bk, h_pad = static.block_k, static.head_dim_pad
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, h_pad), 1)
     if static.page_size is None:
         rows = _device.block_slice(j, bk)
-        return cache[rows, :], None if scales is None else scales[rows]
+        if h_pad == static.head_dim:
+            entries = cache[rows, :]
+        else:
+            entries = plt.load(cache.at[rows, :], other=0,
+                               mask=jnp.broadcast_to(lanes < static.head_dim, (bk, h_pad)))
+        return entries, None if scales is None else scales[rows]
     per_block = bk // static.page_size
     # A block's last pages may lie past the row's length, where a table may hold anything (-1,
     # say): clamped to a real page, whose entries the masks then ignore.
     pages = jnp.clip(refs.block_table[b, _device.block_slice(j, per_block)], 0,
                      cache.shape[0] - 1)
-    entries = cache[pages, :, :].reshape(bk, static.head_dim_pad)
-    return entries, None if scales is None else scales[pages, :].reshape(bk)
+    if h_pad == static.head_dim:
+        entries = cache[pages, :, :]
+    else:
+        slots = jax.lax.broadcasted_iota(jnp.int32, (1, static.page_size, 1), 1)
+        shape = (per_block, static.page_size, h_pad)
+        entries = plt.load(cache.at[pages[:, None, None], slots, lanes[None]], other=0,
+                           mask=jnp.broadcast_to(lanes[None] < static.head_dim, shape))
+    return (entries.reshape(bk, h_pad),
+            None if scales is None else scales[pages, :].reshape(bk))
 
 
 def _decode_kernel(refs, *, static):
@@ -80,7 +96,6 @@ def _decode_kernel(refs, *, static):
     lo = jnp.maximum(split * static.blocks_per_split, first_key // bk)
     hi = jnp.minimum((split + 1) * static.blocks_per_split, _device.cdiv(length, bk))
     q = refs.q[...]
-    dims = jax.lax.broadcasted_iota(jnp.int32, (bk, static.head_dim_pad), 1)
 
     def step(j, carry):
         acc, row_max, row_sum = carry
@@ -88,8 +103,6 @@ def _decode_kernel(refs, *, static):
         keys = key_ids[None, :]
         k, k_scale = _read(refs, refs.k, refs.k_scale, b, j, static)
         k = quantization.decode(k, static.key_format, q.dtype)
-        if static.head_dim_pad != static.head_dim:  # masked lanes past H may hold anything
-            k = jnp.where(dims < static.head_dim, k, 0)
         scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
         if k_scale is not None:
             scores = scores * k_scale[None, :]
@@ -173,7 +186,8 @@ def partials(q, k, v, seqlens, block_table, k_scale, v_scale, *, static, splits,
     result = _operands.call(
         functools.partial(_decode_kernel, static=static), inputs, outputs,
         grid=(splits, kv_heads, batch), num_warps=num_warps, num_stages=num_stages,
-        interpret=static.interpret, name="attention_with_kv_cache")
+        interpret=static.interpret, name="attention_with_kv_cache",
+        masks_edges=static.head_dim_pad != static.head_dim)
     return result["out"], result["lse"]
 
 

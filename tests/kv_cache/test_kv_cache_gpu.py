@@ -22,6 +22,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype, h, page_size, heads", [
     (jnp.bfloat16, 128, 16, (32, 4)),
     (jnp.bfloat16, 80, None, (32, 32)),   # H 80: lanes past H masked on load
+    (jnp.int8, 80, 16, (32, 4)),          # and through the pages
     (jnp.int8, 128, 16, (32, 4)),
     (jnp.float8_e4m3fn, 256, 32, (8, 1)),
     (jnp.uint8, 64, 16, (16, 2)),        # AMD's float8_e4m3fnuz bits, decoded in the kernel
