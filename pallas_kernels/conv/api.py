@@ -74,7 +74,7 @@ def causal_conv1d(
         return reference.causal_conv1d(x, weight, bias, initial_states, seq_idx,
                                        initial_seq_idx, activation)
     static = forward.Static(
-        width=width, history_rows=_device.pow2_at_least(width - 1, minimum=1),
+        width=width, channels=c, history_rows=_device.pow2_at_least(width - 1, minimum=1),
         silu=activation == "silu", initial_states=given_states,
         forward_tiles=tuning.FORWARD, backward_tiles=tuning.BACKWARD, interpret=interpret)
     placement = _sharding.find("x", x, sharding, feature_dims=(2,))

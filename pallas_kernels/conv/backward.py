@@ -1,15 +1,18 @@
-"""The causal conv backward kernel (Pallas, Triton lowering).
+"""The causal conv backward: a Pallas kernel (Triton lowering) for the pre-activation's gradient
+and the weight's and bias's, then dx from it in XLA.
 
-One program per (batch row, tile of tokens, block of channels), as the forward. With u the
-pre-activation and du = dout * silu'(u) (dout without the SiLU):
+With u the pre-activation and du = dout * silu'(u) (dout without the SiLU):
 
-    dx[t] = sum over j of weight[W - 1 - j] * du[t + j]
     dweight[k] = sum over t of du[t] * x[t - (W - 1 - k)],   dbias = sum over t of du[t]
+    dx[t] = sum over j of weight[W - 1 - j] * du[t + j]
 
-The program recomputes u at its rows shifted by j = 0 .. W - 1 from gathered rows of x (cache
-hits: the tiles overlap by W - 1 rows), so nothing but x is kept from the forward. Rows at or
-past T carry du = 0. Each tile writes its (W, block_c) part of dweight and its part of dbias
-in float32; XLA adds the tiles' parts in a fixed order (deterministic).
+One program per (batch row, tile of tokens, block of channels), as the forward: it gathers its
+rows' taps (kept for the weight's gradient), recomputes u, writes du in x's dtype (rows at or
+outside x load as zeros) and its (W, block_c) part of dweight and its part of dbias in
+float32; XLA adds the tiles' parts in a fixed order (deterministic). dx is one XLA fusion of W
+shifted reads of du. A single kernel computing dx too would need du W - 1 rows past its tile,
+so each program would recompute u W times from W x W gathers: measured slower than XLA's
+conv (NOTES).
 """
 
 import functools
@@ -17,36 +20,35 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import _device, _operands
 from pallas_kernels._operands import Operands
-from pallas_kernels.conv.forward import operands, pre_activation, sigmoid, token_rows
+from pallas_kernels.conv.forward import (
+    Tile,
+    load_tile,
+    operands,
+    pre_activation,
+    sigmoid,
+    store_tile,
+    taps,
+)
 
 
-def _backward_kernel(refs, *, static):
-    block_t = static.backward_tiles.block_t
-    length = refs.x.shape[0]
-    rows = pl.program_id(1) * block_t + jax.lax.broadcasted_iota(jnp.int32, (block_t,), 0)
-    dx = None
-    for j in range(static.width):
-        shifted = rows + j
-        grad = refs.dout[jnp.minimum(shifted, length - 1), :].astype(jnp.float32)
-        if static.silu:
-            u = pre_activation(refs, shifted, static)
-            s = sigmoid(u)
-            grad = grad * (s * (1.0 + u * (1.0 - s)))
-        grad = jnp.where((shifted < length)[:, None], grad, 0.0)
-        term = refs.weight[static.width - 1 - j, :].astype(jnp.float32)[None, :] * grad
-        dx = term if dx is None else dx + term
-        if j == 0:  # this tile's own rows: its part of the weight's and the bias's gradients
-            # The taps are gathered again (cache hits) rather than kept from pre_activation: W
-            # more live tiles would not fit the registers.
-            for k in range(static.width):
-                tap = token_rows(refs, rows - (static.width - 1 - k), static)
-                refs.dweight[k, :] = jnp.sum(grad * tap, axis=0)
-            if refs.dbias is not None:
-                refs.dbias[...] = jnp.sum(grad, axis=0)
-    refs.dx[...] = dx.astype(refs.dx.dtype)
+def _pre_activation_grad_kernel(refs, *, static):
+    tiles = static.backward_tiles
+    tile = Tile.of_program(tiles.block_t, tiles.block_c, refs.x.shape[0], static)
+    row_taps = list(taps(refs, tile, static))  # kept for the weight's gradient
+    grad = load_tile(refs.dout, tile)  # zeros outside x: nothing outside is summed
+    if static.silu:
+        u = pre_activation(refs, tile, row_taps)
+        s = sigmoid(u)
+        grad = grad * (s * (1.0 + u * (1.0 - s)))
+    store_tile(refs.du, grad, tile)
+    for k, tap in enumerate(row_taps):
+        plt.store(refs.dweight.at[jnp.int32(k), :], jnp.sum(grad * tap, axis=0), mask=tile.col_ok)
+    if refs.dbias is not None:
+        plt.store(refs.dbias, jnp.sum(grad, axis=0), mask=tile.col_ok)
 
 
 def gradients(x, weight, bias, history, dout, *, static):
@@ -54,23 +56,26 @@ def gradients(x, weight, bias, history, dout, *, static):
     `forward.convolve`, given dout (B, T, C)."""
     tiles = static.backward_tiles
     b, t, c = x.shape
+    width = static.width
     t_blocks, c_blocks = _device.cdiv(t, tiles.block_t), _device.cdiv(c, tiles.block_c)
-    inputs = operands(x, weight, bias, history, tiles).add(
-        "dout", pl.BlockSpec((None, t, tiles.block_c), lambda b, t, c: (b, 0, c)), dout)
     tile = pl.BlockSpec((None, tiles.block_t, tiles.block_c), lambda b, t, c: (b, t, c))
+    inputs = operands(x, weight, bias, history, tiles).add("dout", tile, dout)
     outputs = (Operands()
-               .add("dx", tile, jax.ShapeDtypeStruct(x.shape, x.dtype))
-               .add("dweight", pl.BlockSpec((None, None, static.width, tiles.block_c),
+               .add("du", tile, jax.ShapeDtypeStruct(x.shape, x.dtype))
+               .add("dweight", pl.BlockSpec((None, None, width, tiles.block_c),
                                             lambda b, t, c: (b, t, 0, c)),
-                    jax.ShapeDtypeStruct((b, t_blocks, static.width, c), jnp.float32))
+                    jax.ShapeDtypeStruct((b, t_blocks, width, c), jnp.float32))
                .add("dbias", pl.BlockSpec((None, None, tiles.block_c),
                                           lambda b, t, c: (b, t, c)),
                     None if bias is None else jax.ShapeDtypeStruct((b, t_blocks, c),
                                                                    jnp.float32)))
     result = _operands.call(
-        functools.partial(_backward_kernel, static=static), inputs, outputs,
+        functools.partial(_pre_activation_grad_kernel, static=static), inputs, outputs,
         grid=(b, t_blocks, c_blocks), num_warps=tiles.num_warps, num_stages=1,
-        interpret=static.interpret, name="causal_conv1d_backward")
+        interpret=static.interpret, name="causal_conv1d_backward", masks_edges=True)
+    du = jnp.pad(result["du"], ((0, 0), (0, width - 1), (0, 0)))
+    dx = sum(weight[width - 1 - j].astype(jnp.float32) * du[:, j:j + t].astype(jnp.float32)
+             for j in range(width))
     dbias = result.get("dbias")
-    return (result["dx"], jnp.sum(result["dweight"], axis=(0, 1)),
+    return (dx.astype(x.dtype), jnp.sum(result["dweight"], axis=(0, 1)),
             None if dbias is None else jnp.sum(dbias, axis=(0, 1)))

@@ -2,10 +2,14 @@
 
 One program per (batch row, tile of `block_t` tokens, block of `block_c` channels). Tap k of
 output token t reads input token t - (W - 1 - k): the program gathers those rows of x (a row
-vector of indices, clamped to the sequence), and rows before the first token from the initial
-states, which come padded at the front to a power of two of rows. The sum of the taps and the
-bias goes through the SiLU in float32 and is stored in x's dtype; the tile's rows past T are
-not written.
+vector of indices, clamped to the sequence; the tiles overlap by W - 1 rows, cache hits), and
+rows before the first token from the initial states, which come padded at the front to a power
+of two of rows. The sum of the taps and the bias goes through the SiLU in float32 and is stored
+in x's dtype.
+
+Edge tiles (T or C not a multiple of the tile) load and store through explicit masks: jax 0.11's
+Pallas-Triton lowering masks no block that overhangs its array (0.12's does), and a tile past
+the end would read and write other buffers.
 """
 
 import dataclasses
@@ -14,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import _device, _operands
 from pallas_kernels._operands import Operands
@@ -24,6 +29,7 @@ class Static:
     """What the kernels know of a call besides its arrays (hashable: keys custom_vjp)."""
 
     width: int  # W, taps
+    channels: int  # C
     history_rows: int  # the initial states' rows, padded at the front to a power of two
     silu: bool
     initial_states: bool  # given by the caller (else zeros, whose gradient is not needed)
@@ -32,24 +38,71 @@ class Static:
     interpret: bool
 
 
-def token_rows(refs, rows, static):
-    """x's rows `rows` (block_t,) (the initial states' rows where negative) as float32
-    (block_t, block_c)."""
-    length = refs.x.shape[0]
-    inside = refs.x[jnp.clip(rows, 0, length - 1), :]
-    before = refs.history[jnp.clip(rows + static.history_rows, 0, static.history_rows - 1), :]
-    return jnp.where((rows >= 0)[:, None], inside, before).astype(jnp.float32)
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """A program's tile: its token rows (block_t,) and channel columns (block_c,) in x, and
+    which of them are inside x."""
+
+    rows: jax.Array
+    cols: jax.Array
+    row_ok: jax.Array
+    col_ok: jax.Array
+
+    @staticmethod
+    def of_program(block_t, block_c, length, static):
+        rows = pl.program_id(1) * block_t + jax.lax.broadcasted_iota(jnp.int32, (block_t,), 0)
+        cols = pl.program_id(2) * block_c + jax.lax.broadcasted_iota(jnp.int32, (block_c,), 0)
+        return Tile(rows, cols, rows < length, cols < static.channels)
+
+    @property
+    def inside(self):
+        """(block_t, block_c): the tile's entries inside x."""
+        return self.row_ok[:, None] & self.col_ok[None, :]
 
 
-def pre_activation(refs, rows, static):
-    """bias + sum over k of weight[k] * x[rows - (W - 1 - k)], float32 (block_t, block_c)."""
-    total = None
+def load_tile(ref, tile):
+    """A (block_t, block_c) block ref, float32, zeros outside x."""
+    return plt.load(ref, mask=tile.inside, other=0).astype(jnp.float32)
+
+
+def store_tile(ref, value, tile):
+    """Writes value's entries inside x to a (block_t, block_c) block ref, in the ref's dtype."""
+    plt.store(ref, value.astype(ref.dtype), mask=tile.inside)
+
+
+def load_channels(ref, tile):
+    """A (block_c,) row of a per-channel ref (a weight row, the bias), float32, zeros past C."""
+    return plt.load(ref, mask=tile.col_ok, other=0).astype(jnp.float32)
+
+
+def gather_rows(ref, rows, tile, valid):
+    """ref's rows `rows` (n,) of the tile's channels, float32 (n, block_c), zeros where `valid`
+    (n,) is false or past C (indices clamped to the ref besides)."""
+    local = jax.lax.broadcasted_iota(jnp.int32, (1, tile.cols.shape[0]), 1)
+    mask = valid[:, None] & tile.col_ok[None, :]
+    index = jnp.clip(rows, 0, ref.shape[0] - 1)[:, None]
+    return plt.load(ref.at[index, local], mask=mask, other=0).astype(jnp.float32)
+
+
+def taps(refs, tile, static):
+    """The W taps of the tile's rows, one at a time: tap k is x's rows `rows - (W - 1 - k)`, the
+    initial states' rows where negative, float32 (block_t, block_c). (A generator: the forward
+    adds each tap as it is read, keeping one tile live.)"""
     for k in range(static.width):
-        tap = refs.weight[k, :].astype(jnp.float32)[None, :] * token_rows(
-            refs, rows - (static.width - 1 - k), static)
-        total = tap if total is None else total + tap
+        source = tile.rows - (static.width - 1 - k)
+        inside = gather_rows(refs.x, source, tile, source >= 0)
+        before = gather_rows(refs.history, source + static.history_rows, tile, source < 0)
+        yield inside + before
+
+
+def pre_activation(refs, tile, row_taps):
+    """bias + sum over k of weight[k] * tap k, float32 (block_t, block_c)."""
+    total = None
+    for k, tap in enumerate(row_taps):
+        term = load_channels(refs.weight.at[jnp.int32(k), :], tile)[None, :] * tap
+        total = term if total is None else total + term
     if refs.bias is not None:
-        total = total + refs.bias[...].astype(jnp.float32)[None, :]
+        total = total + load_channels(refs.bias, tile)[None, :]
     return total
 
 
@@ -58,12 +111,12 @@ def sigmoid(u):
 
 
 def _forward_kernel(refs, *, static):
-    block_t = static.forward_tiles.block_t
-    rows = pl.program_id(1) * block_t + jax.lax.broadcasted_iota(jnp.int32, (block_t,), 0)
-    u = pre_activation(refs, rows, static)
+    tiles = static.forward_tiles
+    tile = Tile.of_program(tiles.block_t, tiles.block_c, refs.x.shape[0], static)
+    u = pre_activation(refs, tile, taps(refs, tile, static))
     if static.silu:
         u = u * sigmoid(u)
-    refs.out[...] = u.astype(refs.out.dtype)
+    store_tile(refs.out, u, tile)
 
 
 def operands(x, weight, bias, history, tiles):
@@ -91,4 +144,4 @@ def convolve(x, weight, bias, history, *, static):
         operands(x, weight, bias, history, tiles), outputs,
         grid=(b, _device.cdiv(t, tiles.block_t), _device.cdiv(c, tiles.block_c)),
         num_warps=tiles.num_warps, num_stages=1, interpret=static.interpret,
-        name="causal_conv1d_forward")["out"]
+        name="causal_conv1d_forward", masks_edges=True)["out"]
