@@ -6,8 +6,8 @@ For each run and implementation: compile time, step time (median of `--steps` st
 warm-up steps, each synced), tokens/s, MFU (the example's `model_flops_per_token` over the
 device's peak, `_device.peak_flops`) and the compiled step's peak memory (XLA's buffer
 assignment, so that runs in one process do not read each other's peaks). `--profile` traces
-one more step and sums its GPU kernels by class (attention kernels, SSD kernels, matmuls,
-reductions, layout copies, other fusions): the share of the step each class takes.
+one more step and sums its GPU kernels by class (attention, SSD, norm and conv kernels,
+matmuls, reductions, layout copies, other fusions): the share of the step each class takes.
 
     python -m benchmarks.model --out-dir "$OUT" --tag h200 [--profile] [--impls pallas,xla]
 
@@ -56,6 +56,8 @@ ZAMBA2_TINY = dict(vocab_size=256, d_model=32, num_layers=2, hybrid_layers=(1,),
 KERNEL_CLASSES = [
     ("attention kernels", r"flash_attention"),
     ("SSD kernels", r"^ssd_"),
+    ("norm kernels", r"^rms_norm_gated"),
+    ("conv kernels", r"^causal_conv1d"),
     ("matmuls", r"gemm|cublas|cutlass|xmma|nvjet|matmul|dot"),
     ("reductions (norms, softmax, loss)", r"reduce"),
     ("layout copies", r"copy|transpose"),
