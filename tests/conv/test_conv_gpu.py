@@ -65,3 +65,5 @@ def test_norm_matches_the_reference_on_the_gpu(shape, group_size, norm_before_ga
     kernel, ref = _vjp_both(norm, [x, weight, z], dout)
     for got, want in zip(kernel, ref, strict=True):
         assert rel_error(got, want) < 2e-2
+    for i in (0, 1, 3):  # out, dx, dz row by row
+        assert _worst_row_error(kernel[i], ref[i]) < 3e-2
