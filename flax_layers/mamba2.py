@@ -192,8 +192,8 @@ class Mamba2(nnx.Module):
         mesh with Explicit axes it runs per shard; a sharded sequence takes each shard's
         history (and its sequence ids) from the shard before it (`_sharding.causal_halo`)."""
         weights = (self.conv_weight[...], None if self.conv_bias is None else self.conv_bias[...])
-        # The conv kernels (pallas_kernels.causal_conv1d) are not yet measured on a GPU
-        # (benchmarks/NOTES.md): the mixer keeps XLA's conv, the op's reference, until then.
+        # The conv kernels (pallas_kernels.causal_conv1d) are not yet measured faster than XLA's
+        # conv in the model step (benchmarks/NOTES.md): the mixer keeps the op's reference.
         conv = functools.partial(_causal_conv, "xla")
         if token_features(xbc) is not None:
             return causal_halo(conv, xbc, history, seq_idx, *weights)

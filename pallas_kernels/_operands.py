@@ -96,7 +96,9 @@ def _check_whole_blocks(name, *groups):
     for group in groups:
         for operand, spec, value in zip(group.names, group.specs, group.values, strict=True):
             block = getattr(spec, "block_shape", None)
-            for size, extent in zip(block or (), value.shape if block else (), strict=True):
+            if block is None:
+                continue
+            for size, extent in zip(block, value.shape, strict=True):
                 if isinstance(size, int) and extent % size:
                     raise ValueError(
                         f"{name}: operand {operand!r}: block {tuple(block)} does not tile its "

@@ -7,8 +7,8 @@ With u the pre-activation and du = dout * silu'(u) (dout without the SiLU):
     dx[t] = sum over j of weight[W - 1 - j] * du[t + j]
 
 One program per (batch row, tile of tokens, block of channels), as the forward: it gathers its
-rows' taps (kept for the weight's gradient), recomputes u, writes du in x's dtype (rows at or
-outside x load as zeros) and its (W, block_c) part of dweight and its part of dbias in
+rows' taps (kept for the weight's gradient), recomputes u, writes du in x's dtype (entries outside
+x load as zeros) and its (W, block_c) part of dweight and its part of dbias in
 float32; XLA adds the tiles' parts in a fixed order (deterministic). dx is one XLA fusion of W
 shifted reads of du. A single kernel computing dx too would need du W - 1 rows past its tile,
 so each program would recompute u W times from W x W gathers: measured slower than XLA's
