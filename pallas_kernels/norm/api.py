@@ -67,9 +67,9 @@ def rms_norm_gated(
     norm_before_gate = _dispatch.check_bool("norm_before_gate", norm_before_gate)
     implementation, interpret = _dispatch.choose(implementation, interpret)
     options = dict(eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
-    group_pad = _device.pow2_at_least(group_size, minimum=1)
-    if (implementation == "xla" or x.dtype == jnp.float64 or group_pad != group_size
-            or group_pad > tuning.MAX_GROUP):
+    if (implementation == "xla" or x.dtype == jnp.float64
+            or _device.pow2_at_least(group_size, minimum=1) != group_size
+            or group_size > tuning.MAX_GROUP):
         return reference.rms_norm_gated(x, weight, z, **options)
 
     def local(x, weight, z):

@@ -55,7 +55,7 @@ def _backward_kernel(refs, *, static):
         return weight_grad
 
     refs.dweight[...] = jax.lax.fori_loop(
-        first, last, tile, jnp.zeros((static.tiles.group_pad,), jnp.float32))
+        first, last, tile, jnp.zeros((static.group_size,), jnp.float32))
 
 
 def gradients(x, weight, z, dout, *, static):
@@ -65,16 +65,16 @@ def gradients(x, weight, z, dout, *, static):
     groups = channels // static.group_size
     programs = _device.cdiv(rows // static.tiles.block_rows, static.tiles.backward_blocks)
     # Each program walks whole columns of row tiles: its blocks span every row.
-    column = pl.BlockSpec((rows, static.tiles.group_pad), lambda p, g: (0, g))
+    column = pl.BlockSpec((rows, static.group_size), lambda p, g: (0, g))
     inputs = (Operands()
               .add("x", column, x)
               .add("z", column, z)
               .add("dout", column, dout)
-              .add("weight", pl.BlockSpec((static.tiles.group_pad,), lambda p, g: (g,)), weight))
+              .add("weight", pl.BlockSpec((static.group_size,), lambda p, g: (g,)), weight))
     outputs = (Operands()
                .add("dx", column, jax.ShapeDtypeStruct(x.shape, x.dtype))
                .add("dz", column, None if z is None else jax.ShapeDtypeStruct(z.shape, z.dtype))
-               .add("dweight", pl.BlockSpec((None, static.tiles.group_pad), lambda p, g: (p, g)),
+               .add("dweight", pl.BlockSpec((None, static.group_size), lambda p, g: (p, g)),
                     jax.ShapeDtypeStruct((programs, channels), jnp.float32)))
     result = _operands.call(
         functools.partial(_backward_kernel, static=static), inputs, outputs,

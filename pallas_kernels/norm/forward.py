@@ -58,11 +58,11 @@ def normalise(x, weight, z, *, static):
     returns (M, D) in x's dtype."""
     rows, channels = x.shape
     groups = channels // static.group_size
-    tile = pl.BlockSpec((static.tiles.block_rows, static.tiles.group_pad), lambda i, g: (i, g))
+    tile = pl.BlockSpec((static.tiles.block_rows, static.group_size), lambda i, g: (i, g))
     inputs = (Operands()
               .add("x", tile, x)
               .add("z", tile, z)
-              .add("weight", pl.BlockSpec((static.tiles.group_pad,), lambda i, g: (g,)), weight))
+              .add("weight", pl.BlockSpec((static.group_size,), lambda i, g: (g,)), weight))
     outputs = Operands().add("out", tile, jax.ShapeDtypeStruct(x.shape, x.dtype))
     return _operands.call(
         functools.partial(_forward_kernel, static=static), inputs, outputs,

@@ -25,11 +25,10 @@ BACKWARD_PROGRAMS_PER_MULTIPROCESSOR = 4
 
 @dataclasses.dataclass(frozen=True)
 class NormTiles:
-    """`block_rows` rows of `group_pad` channels per tile; the backward's programs each walk
+    """`block_rows` rows of one group's channels per tile; the backward's programs each walk
     `backward_blocks` tiles; Triton's warps (and the backward's stages)."""
 
     block_rows: int
-    group_pad: int
     backward_blocks: int
     num_warps: int
     backward_warps: int
@@ -37,15 +36,14 @@ class NormTiles:
 
 
 def tiles(device_kind, rows, group_size):
-    """The NormTiles of `rows` rows of groups of `group_size` channels: the most rows, a power
-    of two dividing `rows` (so that no tile reads past the last row), that keep a tile within
-    `TILE_ENTRIES`."""
-    group_pad = _device.pow2_at_least(group_size, minimum=1)  # the group size, in the kernels
+    """The NormTiles of `rows` rows of groups of `group_size` channels (a power of two): the
+    most rows, a power of two dividing `rows` (so that no tile reads past the last row), that
+    keep a tile within `TILE_ENTRIES`."""
     block_rows = 1
-    while block_rows * 2 * group_pad <= TILE_ENTRIES and rows % (block_rows * 2) == 0:
+    while block_rows * 2 * group_size <= TILE_ENTRIES and rows % (block_rows * 2) == 0:
         block_rows *= 2
     row_blocks = rows // block_rows
     programs = BACKWARD_PROGRAMS_PER_MULTIPROCESSOR * _device.multiprocessors(device_kind)
-    backward_warps = BACKWARD_WARPS * max(1, group_pad // 4096)
-    return NormTiles(block_rows, group_pad, _device.cdiv(row_blocks, programs), NUM_WARPS,
+    backward_warps = BACKWARD_WARPS * max(1, group_size // 4096)
+    return NormTiles(block_rows, _device.cdiv(row_blocks, programs), NUM_WARPS,
                      backward_warps, BACKWARD_STAGES)

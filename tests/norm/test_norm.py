@@ -113,7 +113,7 @@ def test_tiles_divide_the_rows_and_stay_within_the_tile(rows, group, expect_rows
     tiles = tuning.tiles("NVIDIA H100 80GB HBM3", rows, group)
     assert tiles.block_rows == expect_rows
     assert rows % tiles.block_rows == 0
-    assert tiles.block_rows * tiles.group_pad <= max(tuning.TILE_ENTRIES, tiles.group_pad)
+    assert tiles.block_rows * group <= max(tuning.TILE_ENTRIES, group)
     programs = -(-rows // tiles.block_rows // tiles.backward_blocks)
     assert programs * tiles.backward_blocks * tiles.block_rows >= rows
 
