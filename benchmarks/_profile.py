@@ -1,8 +1,10 @@
 """The GPU kernels of a traced call (`jax.profiler`), read back with jax's own profile reader:
 what a step launches and how long each kernel runs."""
 
+import collections
 import glob
 import os
+import re
 import tempfile
 
 import jax
@@ -49,3 +51,34 @@ def kernel_span_seconds(fn, *args, calls=20):
     if not events:
         return None
     return (max(start + duration for _, start, duration in events) - events[0][1]) / calls / 1e9
+
+
+_FUSION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) fusion\(.*\bcalls=%?([\w.\-]+)")
+_OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = \S+ [\w\-]+\(.*op_name=\"([^\"]+)\"")
+
+
+def fusion_contents(hlo_text, top=6):
+    """{kernel name: what it fuses} for every fusion of an optimized HLO module (a compiled
+    call's `as_text()`): its output shape and the jax ops it holds, by their op_name's last
+    part, most frequent first, "(bwd)" marking the backward's ("f32[4,4096,4224]: mul 6,
+    add (bwd) 3, ..."). Kernel names are the
+    fusions' with "." and "-" as "_", as the profile shows them; XLA launches one kernel for
+    identical fusions under the first one's name, so a name can stand for several sites."""
+    fusions, bodies, body = {}, collections.defaultdict(collections.Counter), None
+    for line in hlo_text.splitlines():
+        match = _FUSION.match(line)
+        if match:
+            fusions[re.sub(r"[.\-]", "_", match.group(1))] = (match.group(2), match.group(3))
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            body = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+        elif line.startswith("}"):
+            body = None
+        elif body is not None:
+            op = _OP.match(line)
+            if op:
+                path = op.group(1).rstrip("/")
+                backward = " (bwd)" if "transpose(" in path else ""
+                bodies[body][path.split("/")[-1] + backward] += 1
+    return {name: re.sub(r"\{[^}]*\}", "", shape) + ": " + ", ".join(
+        f"{op} {n}" for op, n in bodies[called].most_common(top))
+            for name, (shape, called) in fusions.items()}

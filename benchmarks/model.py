@@ -7,7 +7,9 @@ warm-up steps, each synced), tokens/s, MFU (the example's `model_flops_per_token
 device's peak, `_device.peak_flops`) and the compiled step's peak memory (XLA's buffer
 assignment, so that runs in one process do not read each other's peaks). `--profile` traces
 one more step and sums its GPU kernels by class (attention, SSD, norm and conv kernels,
-matmuls, reductions, layout copies, other fusions): the share of the step each class takes.
+matmuls, reductions, layout copies, other fusions): the share of the step each class takes,
+and lists the 40 longest kernels with their launches and, for XLA's fusions, what they fuse
+(`_profile.fusion_contents`).
 
     python -m benchmarks.model --out-dir "$OUT" --tag h200 [--profile] [--impls pallas,xla]
 
@@ -147,15 +149,19 @@ def measure(run, implementation, opts):
         events, planes = _profile.kernel_events(one_step)
         if not events:
             record["trace_planes"] = planes
-        busy, by_name = collections.Counter(), collections.Counter()
+        busy, by_name, launches = (collections.Counter() for _ in range(3))
         for name, _, duration in events:
             busy[kernel_class(name)] += duration
             by_name[name] += duration
+            launches[name] += 1
         total = sum(busy.values())
+        fuses = _profile.fusion_contents(step.as_text())
         record["kernels"] = len(events)
         record["kernel_ms"] = total / 1e6
-        record["top_kernels"] = [dict(name=name[:120], ms=ns / 1e6, kind=kernel_class(name))
-                                 for name, ns in by_name.most_common(40)]
+        record["top_kernels"] = [
+            dict(name=name[:120], ms=ns / 1e6, launches=launches[name], kind=kernel_class(name),
+                 **({"fuses": fuses[name]} if name in fuses else {}))
+            for name, ns in by_name.most_common(40)]
         record["classes"] = {label: dict(ms=ns / 1e6, share=ns / total)
                              for label, ns in busy.most_common()} if total else {}
     return record
