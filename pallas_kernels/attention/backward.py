@@ -31,6 +31,19 @@ def _probabilities(scores, lse2, static, bias2):
     return capped, jnp.exp2(capped + bias2 - lse2)
 
 
+def _tile_gradient(q, k, v, do, lse2, delta, mask, static, bias2):
+    """(capped, dlogits) of one (block_q, block_k) tile: the base-2 logits before the bias and
+    the gradient of the logits after it, probs * (dprobs - delta), with the probabilities
+    zeroed where `mask` (or None) is False. dprobs or delta may be NaN where masked: callers
+    that need it select dlogits too. lse2 and delta are (block_q,) rows."""
+    scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
+    capped, probs = _probabilities(scores, lse2[:, None], static, bias2)
+    if mask is not None:
+        probs = jnp.where(mask, probs, 0.0)
+    dprobs = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+    return capped, probs * (dprobs - delta[:, None])
+
+
 def _dkv_kernel(refs, *, static, block_q, block_k, heads):
     k_block = pl.program_id(0)
     k = refs.k[...]
@@ -93,18 +106,15 @@ def _dq_kernel(refs, *, static, block_q, block_k):
         v = refs.v[cols, :]
         if masked and static.has_kv_len:  # (v's NaN dprobs are masked out of dlogits)
             (k,) = common.zero_past(refs.table, masking.COL_LEN, j * block_k, k)
-        scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
-        logits, probs = _probabilities(scores, lse2[:, None], static,
-                                       common.pair_logits(refs, slice(None), cols))
+        mask = None
         if masked:
             kv_seg = None if refs.kv_seg is None else refs.kv_seg[cols]
             mask = common.block_mask(
                 refs.table, q_block * block_q, block_q, j * block_k, block_k, static,
                 static.band, q_seg, kv_seg,
             ) & common.pair_visible(refs, slice(None), cols)
-            probs = jnp.where(mask, probs, 0.0)
-        dprobs = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
-        dlogits = probs * (dprobs - delta[:, None])
+        logits, dlogits = _tile_gradient(q, k, v, do, lse2, delta, mask, static,
+                                         common.pair_logits(refs, slice(None), cols))
         if refs.dbias is not None:  # the bias is added after the soft cap
             if masked:  # a masked pair's dprobs or delta may be NaN
                 dlogits = jnp.where(mask, dlogits, 0.0)
@@ -243,18 +253,15 @@ def _dbias_rows_kernel(refs, *, static, block_q, block_k):
         cols = _device.block_slice(j, block_k)
         k = refs.k[b, cols, :]  # past a length k and v may hold NaN: the mask selects it away
         v = refs.v[b, cols, :]
-        scores = jnp.dot(refs.q[b], k.T, preferred_element_type=jnp.float32)
-        _, probs = _probabilities(scores, refs.lse[b][:, None] * common.LOG2E, static,
-                                  common.pair_logits(refs, slice(None), cols))
         mask = common.block_mask(
             refs.table, q_block * block_q, block_q, j * block_k, block_k, static, static.band,
             None if refs.q_seg is None else refs.q_seg[b],
             None if refs.kv_seg is None else refs.kv_seg[b, cols], batch_row=b,
         ) & common.pair_visible(refs, slice(None), cols, b)
-        probs = jnp.where(mask, probs, 0.0)
-        dprobs = jnp.dot(refs.do[b], v.T, preferred_element_type=jnp.float32)
-        # a masked pair's dprobs or delta may be NaN
-        return jnp.where(mask, probs * (dprobs - refs.delta[b][:, None]), 0.0)
+        _, dlogits = _tile_gradient(refs.q[b], k, v, refs.do[b], refs.lse[b] * common.LOG2E,
+                                    refs.delta[b], mask, static,
+                                    common.pair_logits(refs, slice(None), cols))
+        return jnp.where(mask, dlogits, 0.0)  # a masked pair's dprobs or delta may be NaN
 
     def visit(j, carry):
         tile = jax.lax.fori_loop(0, batch, lambda b, acc: acc + row_tile(j, b),
