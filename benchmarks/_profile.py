@@ -57,11 +57,21 @@ _FUSION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) fusion\(.*\bcalls=%?([
 _OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = \S+ [\w\-]+\(.*op_name=\"([^\"]+)\"")
 
 
+def _op_label(op_name):
+    """A fused op's op_name without the jit and its transforms' wrappers: its last two named
+    scopes and the op, "(bwd)" where it is the backward's ("mamba2_block/conv/mul (bwd)")."""
+    parts = op_name.rstrip("/").split("/")
+    if len(parts) > 1 and parts[0].startswith("jit("):
+        parts = parts[1:]
+    scopes = [re.sub(r"^(?:[\w.]+\()*([^()]*)\)*$", r"\1", p) for p in parts[:-1]]
+    backward = " (bwd)" if any(p.startswith("transpose(") for p in parts[:-1]) else ""
+    return "/".join([s for s in scopes if s][-2:] + parts[-1:]) + backward
+
+
 def fusion_contents(hlo_text, top=6):
     """{kernel name: what it fuses} for every fusion of an optimized HLO module (a compiled
-    call's `as_text()`): its output shape and the jax ops it holds, by their op_name's last
-    part, most frequent first, "(bwd)" marking the backward's ("f32[4,4096,4224]: mul 6,
-    add (bwd) 3, ..."). Kernel names are the
+    call's `as_text()`): its output shape and the jax ops it holds (`_op_label`), most frequent
+    first ("f32[4,4096,4224]: mamba2_block/conv/mul (bwd) 6, ..."). Kernel names are the
     fusions' with "." and "-" as "_", as the profile shows them; XLA launches one kernel for
     identical fusions under the first one's name, so a name can stand for several sites."""
     fusions, bodies, body = {}, collections.defaultdict(collections.Counter), None
@@ -76,9 +86,7 @@ def fusion_contents(hlo_text, top=6):
         elif body is not None:
             op = _OP.match(line)
             if op:
-                path = op.group(1).rstrip("/")
-                backward = " (bwd)" if "transpose(" in path else ""
-                bodies[body][path.split("/")[-1] + backward] += 1
+                bodies[body][_op_label(op.group(1))] += 1
     return {name: re.sub(r"\{[^}]*\}", "", shape) + ": " + ", ".join(
         f"{op} {n}" for op, n in bodies[called].most_common(top))
             for name, (shape, called) in fusions.items()}

@@ -491,9 +491,10 @@ def next_token_loss(graphdef: "nnx.GraphDef", params: "nnx.State", batch: "jax.A
     logits = model(inputs)
     # The label's logit by a masked sum, not a gather: over a tensor axis the vocabulary of
     # the logits is sharded, and a reduction needs no gather of it.
-    picked = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == labels[..., None], logits, 0.0),
-                     axis=-1)
-    return (jax.nn.logsumexp(logits, axis=-1) - picked).mean()
+    with jax.named_scope("loss"):
+        picked = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == labels[..., None], logits,
+                                   0.0), axis=-1)
+        return (jax.nn.logsumexp(logits, axis=-1) - picked).mean()
 
 
 def make_steps(graphdef: "nnx.GraphDef", tx: "optax.GradientTransformation",
@@ -507,8 +508,9 @@ def make_steps(graphdef: "nnx.GraphDef", tx: "optax.GradientTransformation",
     def train_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(next_token_loss, argnums=1)(graphdef, params, batch,
                                                                      tokens)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
 
     def eval_step(params, batch):
         return next_token_loss(graphdef, params, batch, tokens)

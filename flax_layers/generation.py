@@ -39,6 +39,7 @@ class CausalLM(nnx.Module):
             lengths = check_lengths(lengths, *tokens.shape)
         return lengths, (tokens >= 0) & (tokens < self.config.vocab_size)
 
+    @jax.named_scope("lm_head")
     def _logits(self, h, in_vocab, logits_at, norm, head):
         """float32 logits of the final hidden states h (B, T, D) through `norm` and `head`: NaN
         at tokens outside the vocabulary, only at `logits_at` (B,) where given."""

@@ -268,6 +268,7 @@ class HybridLM(CausalLM):
             slot.get().check_fits(batch, new)
 
 
+@jax.named_scope("shared_block")
 def _shared_block(shared, h, embeddings, segment_ids):
     """The shared block's forward (`HybridLMConfig.remat` recomputes it)."""
     return shared(h, embeddings, segment_ids, None)[0]

@@ -187,6 +187,7 @@ class Mamba2(nnx.Module):
         return (zxbcdt[..., :mlp], zxbcdt[..., mlp:mlp + d], zxbcdt[..., mlp + d:xbc_end],
                 zxbcdt[..., xbc_end:])
 
+    @jax.named_scope("conv")
     def _conv(self, xbc, history, seq_idx=None):
         """Causal depthwise conv + SiLU over (B, T, C) with `history` (B, d_conv - 1, C). On a
         mesh with Explicit axes it runs per shard; a sharded sequence takes each shard's
@@ -214,6 +215,7 @@ class Mamba2(nnx.Module):
         d = self.D[...]
         return d.reshape(self.nheads, self.headdim) if self.D_has_hdim else d
 
+    @jax.named_scope("norm_and_out_proj")
     def _norm_and_project(self, y, z, mlp):
         """Gated grouped RMSNorm (without rmsnorm the SSD already applied the gate), the gated
         MLP's silu(z0) * x0 before it where d_mlp > 0, out_proj.
@@ -244,7 +246,8 @@ class Mamba2(nnx.Module):
             self.check_cache(u.shape[0])
         elif lengths is not None:
             raise ValueError("lengths is for decode=True (a forward takes seq_idx)")
-        mlp, z, xbc, dt = self._split(self.in_proj(u))
+        with jax.named_scope("in_proj"):
+            mlp, z, xbc, dt = self._split(self.in_proj(u))
         if decode:
             states = (self.conv_state[...], self.ssm_state[...])
             if u.shape[1] == 1:
@@ -271,14 +274,15 @@ class Mamba2(nnx.Module):
         x, b, c = self._ssd_inputs(self._conv(xbc, history, seq_idx))
         if not caches:  # training: over a tensor axis the scan runs per head shard (decoding
             x, dt = heads_sharded(x), heads_sharded(dt)  # takes whole parameters)
-        y, final = pallas_kernels.mamba_chunk_scan_combined(
-            x, dt, -jnp.exp(self.A_log[...]), b, c, self.chunk_size, D=self._d(),
-            z=None if self.rmsnorm else z.reshape(x.shape),
-            dt_bias=None if step_sizes else self.dt_bias[...], initial_states=initial_states,
-            seq_idx=seq_idx, dt_softplus=not step_sizes,
-            dt_limit=(0.0, float("inf")) if step_sizes else self.dt_limit,
-            return_final_states=True, implementation=self.implementation,
-        )
+        with jax.named_scope("ssd"):
+            y, final = pallas_kernels.mamba_chunk_scan_combined(
+                x, dt, -jnp.exp(self.A_log[...]), b, c, self.chunk_size, D=self._d(),
+                z=None if self.rmsnorm else z.reshape(x.shape),
+                dt_bias=None if step_sizes else self.dt_bias[...], initial_states=initial_states,
+                seq_idx=seq_idx, dt_softplus=not step_sizes,
+                dt_limit=(0.0, float("inf")) if step_sizes else self.dt_limit,
+                return_final_states=True, implementation=self.implementation,
+            )
         y = y.reshape(*xbc.shape[:2], self.d_ssm)
         if not caches:
             return y, None
@@ -313,6 +317,7 @@ class Mamba2(nnx.Module):
                                                           ssm_state)
 
 
+@jax.named_scope("mamba2_block")  # (profiles name the ops of a step by these scopes)
 def pre_norm_residual(block, h, x=None, seq_idx=None):
     """h + block.mixer(block.norm(x)) (x default h): the forward of a pre-norm residual Mamba2
     block (a module with `norm` and a `Mamba2` `mixer`), the unit a model's `remat`
