@@ -53,7 +53,9 @@ def kernel_span_seconds(fn, *args, calls=20):
     return (max(start + duration for _, start, duration in events) - events[0][1]) / calls / 1e9
 
 
-_FUSION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) fusion\(.*\bcalls=%?([\w.\-]+)")
+# A fusion's output is an array or, for a multi-output fusion, a tuple "(f32[..], bf16[..])".
+_FUSION = re.compile(
+    r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^=]*?\)|\S+) fusion\(.*\bcalls=%?([\w.\-]+)")
 _OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = \S+ [\w\-]+\(.*op_name=\"([^\"]+)\"")
 
 
