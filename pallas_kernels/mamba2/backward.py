@@ -55,14 +55,11 @@ def gradients(residuals, dy, dfinal, *, static, blocks, plan):
     states, gstates, dh0 = states_and_gradients(
         x, dy, dt_step, s, B, C, seq, h0, dfinal.astype(jnp.float32), entries, static=static,
         blocks=blocks, plan=plan)
-    dx, ddt_x, dlog_decay, dB, dC = chunk_gradients(
+    dx, ddt_x, dlog_decay, dB, dC, dD = chunk_gradients(
         x, dy, dt_step, s, B, C, seq, D, states, gstates, static=static, blocks=blocks, plan=plan)
     ddt_step = dlog_decay * A[None, :, None] + ddt_x
     dA = jnp.sum(dlog_decay * dt_step, axis=(0, 2))
     ddt, ddt_bias = _step_size_vjp(static, dt, dt_bias, ddt_step)
-    dD = None
-    if D is not None:
-        dD = jnp.sum(dy.astype(jnp.float32) * x.astype(jnp.float32), axis=(0, 1))
     return dx, ddt, ddt_bias, dA, dB, dC, dD, dz, None if h0 is None else dh0
 
 
@@ -200,6 +197,7 @@ def _chunk_gradients_kernel(refs, *, block_t, heads_per_program):
         dx = dx_bar * dt[:, None]
         if refs.d is not None:
             dx += refs.d[j, :][None, :] * dy32
+            refs.dskip[j, :] = jnp.sum(dy32 * x32, axis=0)
         refs.dx[:, j, :] = dx.astype(refs.dx.dtype)
         refs.ddt[j, :] = jnp.sum(dx_bar * x32, axis=1)
         # The log-decay gradient's intra-chunk per-token parts (see `chunk_gradients`), with
@@ -214,15 +212,17 @@ def _chunk_gradients_kernel(refs, *, block_t, heads_per_program):
 
 
 def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static, blocks, plan):
-    """dx, the per-head float32 vectors (ddt_x, dlog_decay), and dB, dC.
+    """dx, the per-head float32 vectors (ddt_x, dlog_decay), dB, dC and dD.
 
     x, dy (B, Tp, H, Pp); dt, s (B, H, Tp) float32; b, c (B, Tp, G, Np); seq (B, Tp) or None;
     d (H, Pp) float32 or None; states, gstates (B, nc, H, Pp, Np). Returns dx (B, Tp, H, Pp)
     in x's dtype; ddt_x (the dt' term of dx) and dlog_decay (the gradient of a = dt' A)
-    (B, H, Tp) float32; db and dc (B, Tp, G, Np) in b's dtype.
+    (B, H, Tp) float32; db and dc (B, Tp, G, Np) in b's dtype; dd (H, Pp) float32, the sum of
+    dY x over the tokens (None without d).
 
     One program per (chunk, block of `blocks.heads_per_program` heads of one group, batch row)
-    gives dx and the log-decay gradient's intra-chunk parts; dB and dC come from `_state_terms`
+    gives dx, the log-decay gradient's intra-chunk parts and its chunk's part of dd (XLA sums
+    the parts over chunks and rows, a fixed order); dB and dC come from `_state_terms`
     (one program per chunk and group, looping over its heads; it also gives the log-decay
     gradient's terms through the states), the log-decay gradient's reverse cumsum from XLA: a
     fixed order (deterministic, no atomics).
@@ -249,7 +249,10 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static, bloc
     outputs = (Operands().add("dx", tokens, jax.ShapeDtypeStruct(x.shape, x.dtype))
                .add("ddt", per_head_chunk, per_token)
                .add("dcumsum", per_head_chunk, per_token)
-               .add("into_state", per_head_chunk, per_token))
+               .add("into_state", per_head_chunk, per_token)
+               .add("dskip", pl.BlockSpec((None, None, hb, p_pad), lambda ci, k, i: (i, ci, k, 0)),
+                    None if d is None else jax.ShapeDtypeStruct((batch, nc, heads, p_pad),
+                                                                jnp.float32)))
     out = _operands.call(
         functools.partial(_chunk_gradients_kernel, block_t=q, heads_per_program=hb),
         inputs, outputs,
@@ -287,7 +290,8 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static, bloc
         in_chunk = _reverse_sums_by_sequence(spans, seq.reshape(batch, nc, q)) + jnp.matmul(
             into_state, (rows < cols).astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     dlog_decay = (in_chunk + passing[..., None]).reshape(batch, heads, t_pad)
-    return dx, ddt_x, dlog_decay, db, dc
+    dd = None if d is None else jnp.sum(out["dskip"], axis=(0, 1))
+    return dx, ddt_x, dlog_decay, db, dc, dd
 
 
 def _reverse_sums_by_sequence(values, seq):
