@@ -26,6 +26,7 @@ from pallas_kernels import _device, _operands
 from pallas_kernels._operands import Operands
 from pallas_kernels.conv.forward import (
     Tile,
+    by_reach,
     load_tile,
     operands,
     pre_activation,
@@ -38,17 +39,22 @@ from pallas_kernels.conv.forward import (
 def _pre_activation_grad_kernel(refs, *, static):
     tiles = static.backward_tiles
     tile = Tile.of_program(tiles.block_t, tiles.block_c, refs.x.shape[0], static)
-    row_taps = list(taps(refs, tile, static))  # kept for the weight's gradient
-    grad = load_tile(refs.dout, tile)  # zeros outside x: nothing outside is summed
-    if static.silu:
-        u = pre_activation(refs, tile, row_taps)
-        s = sigmoid(u)
-        grad = grad * (s * (1.0 + u * (1.0 - s)))
-    store_tile(refs.du, grad, tile)
-    for k, tap in enumerate(row_taps):
-        plt.store(refs.dweight.at[jnp.int32(k), :], jnp.sum(grad * tap, axis=0), mask=tile.col_ok)
-    if refs.dbias is not None:
-        plt.store(refs.dbias, jnp.sum(grad, axis=0), mask=tile.col_ok)
+
+    def body(reaches_back):
+        row_taps = list(taps(refs, tile, static, reaches_back))  # kept for the weight's gradient
+        grad = load_tile(refs.dout, tile)  # zeros outside x: nothing outside is summed
+        if static.silu:
+            u = pre_activation(refs, tile, row_taps)
+            s = sigmoid(u)
+            grad = grad * (s * (1.0 + u * (1.0 - s)))
+        store_tile(refs.du, grad, tile)
+        for k, tap in enumerate(row_taps):
+            plt.store(refs.dweight.at[jnp.int32(k), :], jnp.sum(grad * tap, axis=0),
+                      mask=tile.col_ok)
+        if refs.dbias is not None:
+            plt.store(refs.dbias, jnp.sum(grad, axis=0), mask=tile.col_ok)
+
+    by_reach(body, tiles.block_t, static)
 
 
 def gradients(x, weight, bias, history, dout, *, static):

@@ -41,23 +41,31 @@ class Static:
 @dataclasses.dataclass(frozen=True)
 class Tile:
     """A program's tile: its token rows (block_t,) and channel columns (block_c,) in x, and
-    which of them are inside x."""
+    which of them are inside x (`col_ok` None where every tile's columns are: C a multiple of
+    block_c)."""
 
     rows: jax.Array
     cols: jax.Array
     row_ok: jax.Array
-    col_ok: jax.Array
+    col_ok: jax.Array | None
 
     @staticmethod
     def of_program(block_t, block_c, length, static):
         rows = pl.program_id(1) * block_t + jax.lax.broadcasted_iota(jnp.int32, (block_t,), 0)
         cols = pl.program_id(2) * block_c + jax.lax.broadcasted_iota(jnp.int32, (block_c,), 0)
-        return Tile(rows, cols, rows < length, cols < static.channels)
+        col_ok = None if static.channels % block_c == 0 else cols < static.channels
+        return Tile(rows, cols, rows < length, col_ok)
 
     @property
     def inside(self):
         """(block_t, block_c): the tile's entries inside x."""
-        return self.row_ok[:, None] & self.col_ok[None, :]
+        shape = (self.rows.shape[0], self.cols.shape[0])
+        rows = jnp.broadcast_to(self.row_ok[:, None], shape)
+        return rows if self.col_ok is None else rows & self.columns(shape)
+
+    def columns(self, shape):
+        """The columns inside x broadcast to `shape` (..., block_c), or None if all are."""
+        return None if self.col_ok is None else jnp.broadcast_to(self.col_ok, shape)
 
 
 def load_tile(ref, tile):
@@ -72,27 +80,46 @@ def store_tile(ref, value, tile):
 
 def load_channels(ref, tile):
     """A (block_c,) row of a per-channel ref (a weight row, the bias), float32, zeros past C."""
-    return plt.load(ref, mask=tile.col_ok, other=0).astype(jnp.float32)
+    return plt.load(ref, mask=tile.col_ok, other=None if tile.col_ok is None else 0
+                    ).astype(jnp.float32)
 
 
-def gather_rows(ref, rows, tile, valid):
+def gather_rows(ref, rows, tile, valid=None):
     """ref's rows `rows` (n,) of the tile's channels, float32 (n, block_c), zeros where `valid`
-    (n,) is false or past C (indices clamped to the ref besides)."""
-    local = jax.lax.broadcasted_iota(jnp.int32, (1, tile.cols.shape[0]), 1)
-    mask = valid[:, None] & tile.col_ok[None, :]
+    (n,) is false or past C (indices clamped to the ref besides; None: every row valid)."""
+    shape = (rows.shape[0], tile.cols.shape[0])
+    local = jax.lax.broadcasted_iota(jnp.int32, (1, shape[1]), 1)
+    mask = tile.columns(shape)
+    if valid is not None:
+        rows_valid = jnp.broadcast_to(valid[:, None], shape)
+        mask = rows_valid if mask is None else rows_valid & mask
     index = jnp.clip(rows, 0, ref.shape[0] - 1)[:, None]
-    return plt.load(ref.at[index, local], mask=mask, other=0).astype(jnp.float32)
+    return plt.load(ref.at[index, local], mask=mask, other=None if mask is None else 0
+                    ).astype(jnp.float32)
 
 
-def taps(refs, tile, static):
+def taps(refs, tile, static, reaches_back):
     """The W taps of the tile's rows, one at a time: tap k is x's rows `rows - (W - 1 - k)`, the
-    initial states' rows where negative, float32 (block_t, block_c). (A generator: the forward
-    adds each tap as it is read, keeping one tile live.)"""
+    initial states' rows where negative (only if `reaches_back`: the tile starts before row
+    W - 1), float32 (block_t, block_c). (A generator: the forward adds each tap as it is read,
+    keeping one tile live.)"""
     for k in range(static.width):
         source = tile.rows - (static.width - 1 - k)
+        if not reaches_back:
+            yield gather_rows(refs.x, source, tile)
+            continue
         inside = gather_rows(refs.x, source, tile, source >= 0)
         before = gather_rows(refs.history, source + static.history_rows, tile, source < 0)
         yield inside + before
+
+
+def by_reach(kernel_body, block_t, static):
+    """Runs `kernel_body(reaches_back)` with reaches_back True for the tiles whose taps reach
+    before the first token (into the initial states), False for the rest: those load no
+    initial-state rows and mask no rows before the sequence."""
+    jax.lax.cond(pl.program_id(1) * block_t < static.width - 1,
+                 functools.partial(kernel_body, True),
+                 functools.partial(kernel_body, False))
 
 
 def pre_activation(refs, tile, row_taps):
@@ -113,10 +140,14 @@ def sigmoid(u):
 def _forward_kernel(refs, *, static):
     tiles = static.forward_tiles
     tile = Tile.of_program(tiles.block_t, tiles.block_c, refs.x.shape[0], static)
-    u = pre_activation(refs, tile, taps(refs, tile, static))
-    if static.silu:
-        u = u * sigmoid(u)
-    store_tile(refs.out, u, tile)
+
+    def body(reaches_back):
+        u = pre_activation(refs, tile, taps(refs, tile, static, reaches_back))
+        if static.silu:
+            u = u * sigmoid(u)
+        store_tile(refs.out, u, tile)
+
+    by_reach(body, tiles.block_t, static)
 
 
 def operands(x, weight, bias, history, tiles):
