@@ -59,13 +59,19 @@ class Tile:
     @property
     def inside(self):
         """(block_t, block_c): the tile's entries inside x."""
-        shape = (self.rows.shape[0], self.cols.shape[0])
-        rows = jnp.broadcast_to(self.row_ok[:, None], shape)
-        return rows if self.col_ok is None else rows & self.columns(shape)
+        return self.mask(self.row_ok)
 
-    def columns(self, shape):
-        """The columns inside x broadcast to `shape` (..., block_c), or None if all are."""
-        return None if self.col_ok is None else jnp.broadcast_to(self.col_ok, shape)
+    def mask(self, rows_valid=None):
+        """(n, block_c): `rows_valid` (n,) (None: every row) and the columns inside x; None
+        where nothing is masked."""
+        parts = [m for m in (None if rows_valid is None else rows_valid[:, None],
+                             None if self.col_ok is None else self.col_ok[None, :])
+                 if m is not None]
+        if not parts:
+            return None
+        n = self.rows.shape[0] if rows_valid is None else rows_valid.shape[0]
+        return jnp.broadcast_to(functools.reduce(jnp.logical_and, parts),
+                                (n, self.cols.shape[0]))
 
 
 def load_tile(ref, tile):
@@ -87,12 +93,8 @@ def load_channels(ref, tile):
 def gather_rows(ref, rows, tile, valid=None):
     """ref's rows `rows` (n,) of the tile's channels, float32 (n, block_c), zeros where `valid`
     (n,) is false or past C (indices clamped to the ref besides; None: every row valid)."""
-    shape = (rows.shape[0], tile.cols.shape[0])
-    local = jax.lax.broadcasted_iota(jnp.int32, (1, shape[1]), 1)
-    mask = tile.columns(shape)
-    if valid is not None:
-        rows_valid = jnp.broadcast_to(valid[:, None], shape)
-        mask = rows_valid if mask is None else rows_valid & mask
+    local = jax.lax.broadcasted_iota(jnp.int32, (1, tile.cols.shape[0]), 1)
+    mask = tile.mask(valid)
     index = jnp.clip(rows, 0, ref.shape[0] - 1)[:, None]
     return plt.load(ref.at[index, local], mask=mask, other=None if mask is None else 0
                     ).astype(jnp.float32)
