@@ -588,10 +588,18 @@ def measure_generate(run, opts):
     return result, timing
 
 
+def run_name(run):
+    """B<batch>:<kv dtype>, how `--generate` names a generation run."""
+    return f"B{run[0]}:{run[3]}"
+
+
 def generate_records(opts):
-    """One record per generation run (see `measure_generate`), printed as it finishes."""
+    """One record per generation run that `--generate` names (see `measure_generate`), printed
+    as it finishes."""
     records = []
     for run in GENERATE_QUICK if opts.quick else GENERATE_RUNS:
+        if opts.generate != "all" and run_name(run) not in opts.generate.split(","):
+            continue
         batch, prompt_length, new_tokens, kv_dtype = run
         record = {"label": f"generate B{batch} prompt {prompt_length} +{new_tokens} {kv_dtype}",
                   "impl": "ours", "mode": "generate", "batch": batch, "prompt": prompt_length,
@@ -718,8 +726,10 @@ def parse_args(argv=None):
     parser.add_argument("--vllm-kv-splits", default="best",
                         help='vllm-triton\'s num_kv_splits: "best" (fastest power of two from '
                              '1 to 64), "vllm" (the rule of its Triton MLA backend) or a number')
-    parser.add_argument("--generate", action="store_true",
-                        help="also time HybridLM.generate on the 1.1B model (GENERATE_RUNS)")
+    parser.add_argument("--generate", nargs="?", const="all", default=None,
+                        help="also time HybridLM.generate on the 1.1B model: every run of "
+                             "GENERATE_RUNS, or those named as B<batch>:<kv dtype>, comma "
+                             "separated (B64:bfloat16)")
     _harness.add_output_arguments(parser, "decode")
     args = parser.parse_args(argv)
     _harness.check_common_arguments(parser, args, IMPLS)
@@ -733,6 +743,9 @@ def parse_args(argv=None):
     if args.vllm_kv_splits not in ("best", "vllm") and not args.vllm_kv_splits.isdigit():
         parser.error(f'--vllm-kv-splits must be "best", "vllm" or a number, got '
                      f"{args.vllm_kv_splits}")
+    runs = {run_name(run) for run in GENERATE_RUNS + GENERATE_QUICK}
+    if args.generate not in (None, "all") and not set(args.generate.split(",")) <= runs:
+        parser.error(f"--generate names runs of {sorted(runs)}, got {args.generate}")
     if args.quick:
         args.chain_calls = min(args.chain_calls, 3)
         args.copy_gib = min(args.copy_gib, 1 / 64)
@@ -765,7 +778,7 @@ def main(argv=None):
         run_one=functools.partial(run_one, copy_gbps=copy_gbps), progress_line=progress_line,
         save_plot=save_plot,
     )
-    if args.generate:
+    if args.generate is not None:
         generated = generate_records(args)
         with open(json_path) as f:
             payload = json.load(f)
