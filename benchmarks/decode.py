@@ -66,7 +66,8 @@ as an error, a peer that cannot run a shape or is absent as skipped (the JSON ha
 Writes {out_dir}/decode_{tag}.json (environment and every measurement, rewritten after each
 shape) and {out_dir}/decode_{tag}.png (fraction of copy bandwidth per shape and implementation),
 and prints the tables last: fraction of copy bandwidth, ms, and the targets of issue 27.
-`--generate` adds HybridLM.generate on the zamba2-like 1.1B model (GENERATE_RUNS).
+`--generate` adds HybridLM.generate on the zamba2-like 1.1B model (GENERATE_RUNS; `--generate
+B64:bfloat16` times only the runs it names).
 """
 
 import os
