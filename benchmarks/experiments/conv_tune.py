@@ -18,8 +18,10 @@ from benchmarks import _profile
 from pallas_kernels.conv import tuning
 
 SHAPE = (4, 4096, 4224)
-FORWARD = [(64, 128, 4), (32, 128, 4), (64, 128, 8), (64, 64, 4), (128, 128, 8)]
-BACKWARD = [(64, 64, 8), (64, 64, 4), (32, 128, 4), (64, 128, 8), (32, 64, 4)]
+FORWARD = [(64, 128, 4), (32, 128, 4), (64, 128, 8)]
+# (block_t, block_c, warps, steps); (64, 64, 8, 1) sums the rows of every tile.
+BACKWARD = [(64, 64, 8, 1), (32, 64, 4, 8), (16, 64, 4, 16), (32, 64, 8, 8), (16, 128, 4, 16),
+            (64, 64, 8, 4), (32, 64, 4, 16), (16, 64, 2, 16)]
 
 
 def times(implementation, x, weight, bias, dout):

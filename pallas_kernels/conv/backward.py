@@ -6,13 +6,15 @@ With u the pre-activation and du = dout * silu'(u) (dout without the SiLU):
     dweight[k] = sum over t of du[t] * x[t - (W - 1 - k)],   dbias = sum over t of du[t]
     dx[t] = sum over j of weight[W - 1 - j] * du[t + j]
 
-One program per (batch row, tile of tokens, block of channels), as the forward: it gathers its
-rows' taps (kept for the weight's gradient), recomputes u, writes du in x's dtype (entries outside
-x load as zeros) and its (W, block_c) part of dweight and its part of dbias in
-float32; XLA adds the tiles' parts in a fixed order (deterministic). dx is one XLA fusion of W
-shifted reads of du. A single kernel computing dx too would need du W - 1 rows past its tile,
-so each program would recompute u W times from W x W gathers: measured slower than XLA's
-conv (NOTES).
+One program per (batch row, span of `steps` tiles of `block_t` tokens, block of channels). It
+walks its span a tile at a time: gathers the tile's taps, recomputes u, writes du in x's dtype
+(entries outside x load as zeros) and adds du * tap and du to (block_t, block_c) float32 sums
+in registers; after the walk it sums those over the rows once, its (W, block_c) part of dweight
+and its part of dbias (summing every 64-row tile's rows took 200 shuffles and 49 barriers in
+its sm_90a code). XLA adds the spans' parts in a fixed order (deterministic). dx is one XLA
+fusion of W shifted reads of du. A single kernel computing dx too would need du W - 1 rows past
+its tile, so each program would recompute u W times from W x W gathers: measured slower than
+XLA's conv (NOTES).
 """
 
 import functools
@@ -38,23 +40,36 @@ from pallas_kernels.conv.forward import (
 
 def _pre_activation_grad_kernel(refs, *, static):
     tiles = static.backward_tiles
-    tile = Tile.of_program(tiles.block_t, tiles.block_c, refs.x.shape[0], static)
+    length, width = refs.x.shape[0], static.width
+    start = pl.program_id(1) * tiles.block_t * tiles.steps
+    first = Tile.of_program(tiles.block_t, tiles.block_c, length, static).moved(start, length)
 
-    def body(reaches_back):
-        row_taps = list(taps(refs, tile, static, reaches_back))  # kept for the weight's gradient
-        grad = load_tile(refs.dout, tile)  # zeros outside x: nothing outside is summed
-        if static.silu:
-            u = pre_activation(refs, tile, row_taps)
-            s = sigmoid(u)
-            grad = grad * (s * (1.0 + u * (1.0 - s)))
-        store_tile(refs.du, grad, tile)
-        for k, tap in enumerate(row_taps):
-            plt.store(refs.dweight.at[jnp.int32(k), :], jnp.sum(grad * tap, axis=0),
-                      mask=tile.col_ok)
-        if refs.dbias is not None:
-            plt.store(refs.dbias, jnp.sum(grad, axis=0), mask=tile.col_ok)
+    def step(i, sums):
+        first_row = start + i * tiles.block_t
+        tile = first.moved(first_row, length)
+        # This step's rows of the program's span of dout and du.
+        rows = pl.ds(pl.multiple_of(i * tiles.block_t, tiles.block_t), tiles.block_t)
 
-    by_reach(body, tiles.block_t, static)
+        def body(reaches_back, sums):
+            row_taps = list(taps(refs, tile, static, reaches_back))
+            grad = load_tile(refs.dout.at[rows, :], tile)  # zeros outside x: none summed
+            if static.silu:
+                u = pre_activation(refs, tile, row_taps)
+                s = sigmoid(u)
+                grad = grad * (s * (1.0 + u * (1.0 - s)))
+            store_tile(refs.du.at[rows, :], grad, tile)
+            weight_sums = (total + grad * tap
+                           for total, tap in zip(sums[:width], row_taps, strict=True))
+            return (*weight_sums, sums[width] + grad)
+
+        return by_reach(body, first_row, static, sums)
+
+    zeros = jnp.zeros((tiles.block_t, tiles.block_c), jnp.float32)
+    sums = jax.lax.fori_loop(0, tiles.steps, step, (zeros,) * (width + 1))
+    for k in range(width):
+        plt.store(refs.dweight.at[jnp.int32(k), :], jnp.sum(sums[k], axis=0), mask=first.col_ok)
+    if refs.dbias is not None:
+        plt.store(refs.dbias, jnp.sum(sums[width], axis=0), mask=first.col_ok)
 
 
 def gradients(x, weight, bias, history, dout, *, static):
@@ -63,11 +78,13 @@ def gradients(x, weight, bias, history, dout, *, static):
     tiles = static.backward_tiles
     b, t, c = x.shape
     width = static.width
-    t_blocks, c_blocks = _device.cdiv(t, tiles.block_t), _device.cdiv(c, tiles.block_c)
-    tile = pl.BlockSpec((None, tiles.block_t, tiles.block_c), lambda b, t, c: (b, t, c))
-    inputs = operands(x, weight, bias, history, tiles).add("dout", tile, dout)
+    t_blocks = _device.cdiv(t, tiles.block_t * tiles.steps)
+    c_blocks = _device.cdiv(c, tiles.block_c)
+    span = pl.BlockSpec((None, tiles.block_t * tiles.steps, tiles.block_c),
+                        lambda b, t, c: (b, t, c))
+    inputs = operands(x, weight, bias, history, tiles).add("dout", span, dout)
     outputs = (Operands()
-               .add("du", tile, jax.ShapeDtypeStruct(x.shape, x.dtype))
+               .add("du", span, jax.ShapeDtypeStruct(x.shape, x.dtype))
                .add("dweight", pl.BlockSpec((None, None, width, tiles.block_c),
                                             lambda b, t, c: (b, t, 0, c)),
                     jax.ShapeDtypeStruct((b, t_blocks, width, c), jnp.float32))

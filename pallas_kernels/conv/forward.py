@@ -56,6 +56,11 @@ class Tile:
         col_ok = None if static.channels % block_c == 0 else cols < static.channels
         return Tile(rows, cols, rows < length, col_ok)
 
+    def moved(self, first_row, length):
+        """The tile of the same columns and size starting at token `first_row`."""
+        rows = first_row + jax.lax.broadcasted_iota(jnp.int32, self.rows.shape, 0)
+        return dataclasses.replace(self, rows=rows, row_ok=rows < length)
+
     @property
     def inside(self):
         """(block_t, block_c): the tile's entries inside x."""
@@ -115,13 +120,12 @@ def taps(refs, tile, static, reaches_back):
         yield inside + before
 
 
-def by_reach(kernel_body, block_t, static):
-    """Runs `kernel_body(reaches_back)` with reaches_back True for the tiles whose taps reach
-    before the first token (into the initial states), False for the rest: those load no
-    initial-state rows and mask no rows before the sequence."""
-    jax.lax.cond(pl.program_id(1) * block_t < static.width - 1,
-                 functools.partial(kernel_body, True),
-                 functools.partial(kernel_body, False))
+def by_reach(kernel_body, first_row, static, *operands):
+    """`kernel_body(reaches_back, *operands)` with reaches_back True for the tile starting at
+    `first_row` if its taps reach before the first token (into the initial states), False for
+    the rest: those load no initial-state rows and mask no rows before the sequence."""
+    return jax.lax.cond(first_row < static.width - 1, functools.partial(kernel_body, True),
+                        functools.partial(kernel_body, False), *operands)
 
 
 def pre_activation(refs, tile, row_taps):
@@ -149,7 +153,7 @@ def _forward_kernel(refs, *, static):
             u = u * sigmoid(u)
         store_tile(refs.out, u, tile)
 
-    by_reach(body, tiles.block_t, static)
+    by_reach(body, pl.program_id(1) * tiles.block_t, static)
 
 
 def operands(x, weight, bias, history, tiles):
