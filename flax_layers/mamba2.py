@@ -193,9 +193,7 @@ class Mamba2(nnx.Module):
         mesh with Explicit axes it runs per shard; a sharded sequence takes each shard's
         history (and its sequence ids) from the shard before it (`_sharding.causal_halo`)."""
         weights = (self.conv_weight[...], None if self.conv_bias is None else self.conv_bias[...])
-        # The conv kernels (pallas_kernels.causal_conv1d) are not yet measured faster than XLA's
-        # conv in the model step (benchmarks/NOTES.md): the mixer keeps the op's reference.
-        conv = functools.partial(_causal_conv, "xla")
+        conv = functools.partial(_causal_conv, self.implementation)
         if token_features(xbc) is not None:
             return causal_halo(conv, xbc, history, seq_idx, *weights)
         return conv(xbc, history, seq_idx, None, *weights)
