@@ -213,5 +213,9 @@ def test_remat_recomputes_the_layers_and_changes_no_gradient(name):
     (loss_remat, grads_remat), jaxpr_remat = loss_and_grads(True)
     assert "remat" not in jaxpr and "remat" in jaxpr_remat
     np.testing.assert_allclose(loss_remat, loss, rtol=1e-6)
+    # Recomputing reorders float32 sums: entries that cancel differ by rounding at the scale
+    # of the whole array (one of Zamba2's 1024 at 2.7e-5 of itself, 1e-6 of the array's
+    # largest), so the tolerance is set by that scale.
     for g, g_remat in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_remat), strict=True):
-        np.testing.assert_allclose(g_remat, g, rtol=1e-5, atol=1e-7)
+        scale = float(np.max(np.abs(np.asarray(g)), initial=0.0))
+        np.testing.assert_allclose(g_remat, g, rtol=1e-5, atol=1e-7 + 1e-6 * scale)
