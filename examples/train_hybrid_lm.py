@@ -53,6 +53,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -633,18 +634,23 @@ def restore_newest(manager: "ocp.CheckpointManager", params: "nnx.State", opt_st
 def _ignore_reads_left_in_flight() -> None:
     """When a restore fails, the reads of the other arrays are abandoned. Those still in flight
     finish later, into orbax's closed event loop (an unraisable RuntimeError("Event loop is
-    closed")) or as orbax read coroutines that raise while being collected (an unraisable
-    "Encountered error while reading array ..." with kilobytes of tensorstore spec). Python
-    would print each as a traceback, although the failed restore is reported once already.
-    Installs (once) a `sys.unraisablehook` that drops those two kinds and passes anything else
-    on to the previous hook."""
+    closed")), as orbax read coroutines that raise while being collected (an unraisable
+    "Encountered error while reading array ..." with kilobytes of tensorstore spec), or as
+    orbax read tasks whose exception nobody retrieved (asyncio logs "Task exception was never
+    retrieved" with the same spec when the task is collected). Python would print each as a
+    traceback, although the failed restore is reported once already. Installs (once) a
+    `sys.unraisablehook` that drops the first two kinds and passes anything else on to the
+    previous hook, and a filter on asyncio's logger that drops the third."""
+    asyncio_logger = logging.getLogger("asyncio")
+    if _keep_log_record not in asyncio_logger.filters:
+        asyncio_logger.addFilter(_keep_log_record)
     previous = sys.unraisablehook
     if getattr(previous, "drops_abandoned_reads", False):
         return
 
     def from_orbax(obj: Any) -> bool:
         code = getattr(obj, "cr_code", None)
-        return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+        return code is not None and _ORBAX_PATH in code.co_filename
 
     def hook(unraisable: Any) -> None:
         exc = unraisable.exc_value
@@ -654,6 +660,16 @@ def _ignore_reads_left_in_flight() -> None:
 
     hook.drops_abandoned_reads = True
     sys.unraisablehook = hook
+
+
+_ORBAX_PATH = f"{os.sep}orbax{os.sep}"
+
+
+def _keep_log_record(record: logging.LogRecord) -> bool:
+    """False for asyncio's report of an orbax task whose exception nobody retrieved."""
+    message = record.getMessage()
+    return not (message.startswith("Task exception was never retrieved")
+                and _ORBAX_PATH in message)
 
 
 def set_aside(step_dir: Path) -> Path:

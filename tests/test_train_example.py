@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import logging
 import math
 import os
 import shutil
@@ -447,6 +448,24 @@ def test_abandoned_checkpoint_reads_are_not_printed(monkeypatch):
     assert [str(u.exc_value) for u in seen] == ["Encountered error while reading array"]
     assert seen[0].object.cr_code.co_filename.endswith(os.path.join("elsewhere",
                                                                    "serialization.py"))
+    # An abandoned orbax read task whose exception nobody retrieved: asyncio logs it.
+    logged = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    asyncio_logger = logging.getLogger("asyncio")
+    handler = Keep()
+    asyncio_logger.addHandler(handler)
+    try:
+        for folder in ("orbax", "elsewhere"):
+            path = os.path.join(os.sep, "site", folder, "serialization.py")
+            asyncio_logger.error("Task exception was never retrieved\nfuture: <Task finished "
+                                 f"coro=<async_deserialize() done, defined at {path}:394>>")
+    finally:
+        asyncio_logger.removeHandler(handler)
+    assert len(logged) == 1 and "elsewhere" in logged[0]
 
 
 def test_command_line_resume_with_no_checkpoint_that_loads(workdir, tmp_path):
