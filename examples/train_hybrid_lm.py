@@ -631,6 +631,16 @@ def restore_newest(manager: "ocp.CheckpointManager", params: "nnx.State", opt_st
     return None, failed
 
 
+_ORBAX_PATH = f"{os.sep}orbax{os.sep}"
+
+
+def _keep_log_record(record: logging.LogRecord) -> bool:
+    """False for asyncio's report of an orbax task whose exception nobody retrieved."""
+    message = record.getMessage()
+    return not (message.startswith("Task exception was never retrieved")
+                and _ORBAX_PATH in message)
+
+
 def _ignore_reads_left_in_flight() -> None:
     """When a restore fails, the reads of the other arrays are abandoned. Those still in flight
     finish later, into orbax's closed event loop (an unraisable RuntimeError("Event loop is
@@ -660,16 +670,6 @@ def _ignore_reads_left_in_flight() -> None:
 
     hook.drops_abandoned_reads = True
     sys.unraisablehook = hook
-
-
-_ORBAX_PATH = f"{os.sep}orbax{os.sep}"
-
-
-def _keep_log_record(record: logging.LogRecord) -> bool:
-    """False for asyncio's report of an orbax task whose exception nobody retrieved."""
-    message = record.getMessage()
-    return not (message.startswith("Task exception was never retrieved")
-                and _ORBAX_PATH in message)
 
 
 def set_aside(step_dir: Path) -> Path:
