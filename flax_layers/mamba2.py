@@ -188,15 +188,24 @@ class Mamba2(nnx.Module):
                 zxbcdt[..., xbc_end:])
 
     @jax.named_scope("conv")
-    def _conv(self, xbc, history, seq_idx=None):
-        """Causal depthwise conv + SiLU over (B, T, C) with `history` (B, d_conv - 1, C). On a
-        mesh with Explicit axes it runs per shard; a sharded sequence takes each shard's
-        history (and its sequence ids) from the shard before it (`_sharding.causal_halo`)."""
+    def _conv(self, xbc, history, seq_idx=None, packed=None):
+        """Causal depthwise conv + SiLU over xbc (B, T, C) with `history` (B, d_conv - 1, C),
+        as (x (B, T, d_ssm), [B, C] (B, T, 2 G N)). `packed`: in_proj's output, whose xBC
+        columns the kernels read in place, writing x and [B, C] as two arrays (no copies; a
+        call without a mesh or sequence ids). On a mesh with Explicit axes it runs per shard;
+        a sharded sequence takes each shard's history (and its sequence ids) from the shard
+        before it (`_sharding.causal_halo`)."""
         weights = (self.conv_weight[...], None if self.conv_bias is None else self.conv_bias[...])
+        if packed is not None and seq_idx is None and token_features(xbc) is None:
+            return pallas_kernels.causal_conv1d(
+                packed, *weights, initial_states=history, column_offset=2 * self.d_mlp + self.d_ssm,
+                split=self.d_ssm, implementation=self.implementation)
         conv = functools.partial(_causal_conv, self.implementation)
         if token_features(xbc) is not None:
-            return causal_halo(conv, xbc, history, seq_idx, *weights)
-        return conv(xbc, history, seq_idx, None, *weights)
+            out = causal_halo(conv, xbc, history, seq_idx, *weights)
+        else:
+            out = conv(xbc, history, seq_idx, None, *weights)
+        return out[..., :self.d_ssm], out[..., self.d_ssm:]
 
     def _heads(self, x, b, c):
         lead = x.shape[:-1]
@@ -204,9 +213,10 @@ class Mamba2(nnx.Module):
                 b.reshape(*lead, self.ngroups, self.d_state),
                 c.reshape(*lead, self.ngroups, self.d_state))
 
-    def _ssd_inputs(self, xbc):
-        d, gn = self.d_ssm, self.ngroups * self.d_state
-        return self._heads(xbc[..., :d], xbc[..., d:d + gn], xbc[..., d + gn:])
+    def _ssd_inputs(self, x, bc):
+        """The SSD's x (..., H, P), B and C (..., G, N) from the conv's two parts."""
+        gn = self.ngroups * self.d_state
+        return self._heads(x, bc[..., :gn], bc[..., gn:])
 
     def _d(self):
         """D as the SSD takes it: (H,) or, with D_has_hdim, (H, P)."""
@@ -245,7 +255,8 @@ class Mamba2(nnx.Module):
         elif lengths is not None:
             raise ValueError("lengths is for decode=True (a forward takes seq_idx)")
         with jax.named_scope("in_proj"):
-            mlp, z, xbc, dt = self._split(self.in_proj(u))
+            zxbcdt = self.in_proj(u)
+            mlp, z, xbc, dt = self._split(zxbcdt)
         if decode:
             states = (self.conv_state[...], self.ssm_state[...])
             if u.shape[1] == 1:
@@ -259,17 +270,18 @@ class Mamba2(nnx.Module):
             self.conv_state[...], self.ssm_state[...] = new_states
         else:
             history = jnp.zeros((u.shape[0], self.d_conv - 1, self.conv_dim), xbc.dtype)
-            y, _ = self._scan(z, xbc, dt, history, None, seq_idx, caches=False)
+            y, _ = self._scan(z, xbc, dt, history, None, seq_idx, caches=False, packed=zxbcdt)
         return self._norm_and_project(y, z, mlp)
 
     def _scan(self, z, xbc, dt, history, initial_states, seq_idx=None, *, caches=True,
-              step_sizes=False):
+              step_sizes=False, packed=None):
         """The chunked scan over (B, T, ...) from conv `history` (B, d_conv - 1, C) and
         `initial_states` (B, H, P, N) or None. `dt` is in_proj's (B, T, H), or with
         `step_sizes` the step sizes themselves (the bias, softplus and limits applied).
-        Returns (y (B, T, d_ssm), (conv history, SSM state) after the last token, in the
-        histories' and float32), None for the latter unless `caches`."""
-        x, b, c = self._ssd_inputs(self._conv(xbc, history, seq_idx))
+        `packed`: in_proj's output, for the conv to read xbc in place (`_conv`). Returns (y
+        (B, T, d_ssm), (conv history, SSM state) after the last token, in the histories' and
+        float32), None for the latter unless `caches`."""
+        x, b, c = self._ssd_inputs(*self._conv(xbc, history, seq_idx, packed))
         if not caches:  # training: over a tensor axis the scan runs per head shard (decoding
             x, dt = heads_sharded(x), heads_sharded(dt)  # takes whole parameters)
         with jax.named_scope("ssd"):
@@ -305,7 +317,7 @@ class Mamba2(nnx.Module):
     def _step(self, z, xbc, dt, conv_state, ssm_state):
         """One token (B, 1, ...) through the conv state and `selective_state_update`. Returns
         (y (B, 1, d_ssm), (conv state, SSM state) after it)."""
-        x, b, c = self._ssd_inputs(self._conv(xbc, conv_state)[:, 0])
+        x, b, c = self._ssd_inputs(*(part[:, 0] for part in self._conv(xbc, conv_state)))
         y, ssm_state = pallas_kernels.selective_state_update(
             ssm_state, x, dt[:, 0], -jnp.exp(self.A_log[...]), b, c, D=self._d(),
             z=None if self.rmsnorm else z[:, 0].reshape(x.shape), dt_bias=self.dt_bias[...],

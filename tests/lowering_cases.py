@@ -151,17 +151,19 @@ def _norm(channels, norm_before_gate, group_size=None):
 
 
 def _conv():
-    """The causal conv + SiLU forward and backward (vjp) at the zamba2-like mixer's x, B and C
-    channels (4224 = 4096 + 2 x 64), B 2 x T 4096, width 4, bf16."""
-    x = jax.ShapeDtypeStruct((2, 4096, 4224), jnp.bfloat16)
+    """The causal conv + SiLU forward and backward (vjp) as the zamba2-like mixer calls it: over
+    x, B and C's 4224 channels (4096 + 2 x 64) read in place from in_proj's output (B 2 x T
+    4096 x 8384, from column 4096), written as x and [B, C]; width 4, bf16."""
+    zxbcdt = jax.ShapeDtypeStruct((2, 4096, 8384), jnp.bfloat16)
     weight = jax.ShapeDtypeStruct((4, 4224), jnp.float32)
     bias = jax.ShapeDtypeStruct((4224,), jnp.float32)
 
-    def train_step(x, weight, bias):
-        out, vjp = jax.vjp(pallas_kernels.causal_conv1d, x, weight, bias)
+    def train_step(zxbcdt, weight, bias):
+        out, vjp = jax.vjp(functools.partial(pallas_kernels.causal_conv1d, column_offset=4096,
+                                             split=4096), zxbcdt, weight, bias)
         return out, vjp(out)
 
-    return "conv", train_step, (x, weight, bias)
+    return "conv", train_step, (zxbcdt, weight, bias)
 
 
 # Name -> make() returning (family, fn, args), args jax.ShapeDtypeStructs.

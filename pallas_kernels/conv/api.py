@@ -3,7 +3,9 @@
 (B, T, C) layout, differentiable, with Pallas kernels for both passes.
 
 A call flows: argument checks (`checks`, before anything is traced) -> implementation choice
-("xla" runs `reference.py`; so do sequence ids) -> on a mesh, the kernels per shard of the batch
+("xla" runs `reference.py`; so do sequence ids) -> a wider x's columns read in place by the
+kernels (`column_offset` a multiple of their channel block) or sliced out, the output written
+as two arrays (`split`) or sliced -> on a mesh, the kernels per shard of the batch
 -> the initial states padded at the front to a power of two of rows (a (B, W - 1, C) array) ->
 `forward.convolve` under a `jax.custom_vjp` whose backward is `backward.gradients`, and the
 initial states' gradient from the reference over the first W - 1 tokens (the only ones they
@@ -31,10 +33,12 @@ def causal_conv1d(
     seq_idx: ArrayLike | None = None,
     initial_seq_idx: ArrayLike | None = None,
     activation: str | None = "silu",
+    column_offset: int | None = None,
+    split: int | None = None,
     sharding=None,
     implementation: str | None = None,
     interpret: bool | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """out[b, t, c] = activation(bias[c] + sum over k of weight[k, c] * x[b, t - (W - 1 - k), c]).
 
     Args:
@@ -47,6 +51,13 @@ def causal_conv1d(
         sequence contributes nothing. Runs the reference.
       initial_seq_idx: (B, W - 1) the initial states' sequence ids; None: the first token's.
       activation: "silu" or None.
+      column_offset: None, or x is (B, T, C_x) wider than the conv and its C channels start at
+        this column (a packed projection such as Mamba2's in_proj output): the kernels read
+        them in place, where the offset is a multiple of their channel block (128), else x's
+        columns are sliced out first. x's gradient is zero outside them.
+      split: None, or an int in (0, C): the output as two arrays, channels [0, split) and
+        [split, C) (Mamba2's x and its B, C), each written by the kernels where split is a
+        multiple of their channel block, else sliced from one.
       sharding: a NamedSharding or PartitionSpec of x (as for `mamba_chunk_scan_combined`);
         None reads x's own on meshes with Explicit axes. The kernels run per shard of the
         batch; a sharded sequence is a ValueError (each shard would need the tokens before it:
@@ -56,14 +67,16 @@ def causal_conv1d(
       interpret: run the kernels in interpret mode; None: when not on a GPU.
 
     Returns:
-      (B, T, C) in x's dtype; the sum and the SiLU in float32. Gradients flow to x, weight,
-      bias and initial_states.
+      (B, T, C) in x's dtype, or its two parts with `split`; the sum and the SiLU in float32.
+      Gradients flow to x, weight, bias and initial_states.
     """
-    checks.check_arrays(x, weight, bias, initial_states, seq_idx, initial_seq_idx)
+    checks.check_arrays(x, weight, bias, initial_states, seq_idx, initial_seq_idx,
+                        column_offset)
+    width, c = weight.shape
+    split = checks.check_split(split, c)
     activation = checks.check_activation(activation)
     implementation, interpret = _dispatch.choose(implementation, interpret)
-    b, t, c = x.shape
-    width = weight.shape[0]
+    b, t = x.shape[:2]
     given_states = initial_states is not None
     # The initial states are rounded to x's dtype on both paths (a float32 decode cache).
     initial_states = (initial_states.astype(x.dtype) if given_states
@@ -71,23 +84,41 @@ def causal_conv1d(
     if seq_idx is not None and initial_seq_idx is None:
         initial_seq_idx = jnp.broadcast_to(seq_idx[:, :1], (b, width - 1))
     if implementation == "xla" or seq_idx is not None or x.dtype == jnp.float64:
-        return reference.causal_conv1d(x, weight, bias, initial_states, seq_idx,
-                                       initial_seq_idx, activation)
+        if column_offset is not None:
+            x = x[..., column_offset:column_offset + c]
+        out = reference.causal_conv1d(x, weight, bias, initial_states, seq_idx,
+                                      initial_seq_idx, activation)
+        return _parts(out, split)
+    placement = _sharding.find("x", x, sharding, feature_dims=(2,))
+    # A program's channel block must lie inside the columns read and inside one output part.
+    block_c = max(tuning.FORWARD.block_c, tuning.BACKWARD.block_c)  # powers of two
+    in_place = placement is None and column_offset is not None and column_offset % block_c == 0
+    if column_offset is not None and not in_place:
+        x = x[..., column_offset:column_offset + c]
     static = forward.Static(
         width=width, channels=c, history_rows=_device.pow2_at_least(width - 1, minimum=1),
         silu=activation == "silu", initial_states=given_states,
-        forward_tiles=tuning.FORWARD, backward_tiles=tuning.BACKWARD, interpret=interpret)
-    placement = _sharding.find("x", x, sharding, feature_dims=(2,))
+        forward_tiles=tuning.FORWARD, backward_tiles=tuning.BACKWARD, interpret=interpret,
+        column_offset=column_offset if in_place else 0,
+        split=split if placement is None and split is not None and split % block_c == 0
+        else None)
     if placement is None:
-        return _conv(static, x, weight, bias, initial_states)
+        out = _conv(static, x, weight, bias, initial_states)
+        return out if static.split is not None else _parts(out, split)
     if placement.sequence is not None:
         raise ValueError(f"x: its sequence is sharded over mesh axis {placement.sequence!r}; "
                          "causal_conv1d needs whole sequences (pass each shard the tokens "
                          "before it as initial_states, per shard)")
     rows = PartitionSpec(placement.batch, None, None)
-    return _sharding.run(placement, functools.partial(_conv, static),
-                         (x, weight, bias, initial_states),
-                         (rows, PartitionSpec(None, None), PartitionSpec(None), rows), rows)
+    out = _sharding.run(placement, functools.partial(_conv, static),
+                        (x, weight, bias, initial_states),
+                        (rows, PartitionSpec(None, None), PartitionSpec(None), rows), rows)
+    return _parts(out, split)
+
+
+def _parts(out, split):
+    """out (B, T, C) whole (split None), or its channels [0, split) and [split, C)."""
+    return out if split is None else (out[..., :split], out[..., split:])
 
 
 def _padded_history(initial_states, static):
@@ -110,16 +141,22 @@ def _conv_bwd(static, residuals, dout):
     x, weight, bias, initial_states = residuals
     dx, dweight, dbias = backward.gradients(
         x, weight, bias, _padded_history(initial_states, static), dout, static=static)
+    # x wider than the conv (read in place): zeros outside its channels.
+    offset = static.column_offset
+    dx = jnp.pad(dx, ((0, 0), (0, 0), (offset, x.shape[2] - offset - static.channels)))
     # The initial states reach only the first W - 1 outputs: their gradient from the reference
     # (zeros the call made need none).
     reach = static.width - 1
 
     def head(states):
-        return reference.causal_conv1d(x[:, :reach], weight, bias, states, None, None,
+        return reference.causal_conv1d(x[:, :reach, offset:offset + static.channels], weight,
+                                       bias, states, None, None,
                                        "silu" if static.silu else None)
 
     if static.initial_states:
-        (dstates,) = jax.vjp(head, initial_states)[1](dout[:, :reach])
+        dout_head = (dout if static.split is None
+                     else jnp.concatenate(dout, axis=2))[:, :reach]
+        (dstates,) = jax.vjp(head, initial_states)[1](dout_head)
     else:
         dstates = jnp.zeros_like(initial_states)
     grads = (dx, dweight.astype(weight.dtype), None if dbias is None else

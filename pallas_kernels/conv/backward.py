@@ -28,7 +28,10 @@ from pallas_kernels import _device, _operands
 from pallas_kernels._operands import Operands
 from pallas_kernels.conv.forward import (
     Tile,
+    add_parts,
+    by_part,
     by_reach,
+    in_first_part,
     load_tile,
     operands,
     pre_activation,
@@ -43,6 +46,7 @@ def _pre_activation_grad_kernel(refs, *, static):
     length, width = refs.x.shape[0], static.width
     start = pl.program_id(1) * tiles.block_t * tiles.steps
     first = Tile.of_program(tiles.block_t, tiles.block_c, length, static).moved(start, length)
+    in_first = in_first_part(static, tiles.block_c)
 
     def step(i, sums):
         first_row = start + i * tiles.block_t
@@ -52,7 +56,8 @@ def _pre_activation_grad_kernel(refs, *, static):
 
         def body(reaches_back, sums):
             row_taps = list(taps(refs, tile, static, reaches_back))
-            grad = load_tile(refs.dout.at[rows, :], tile)  # zeros outside x: none summed
+            grad = by_part(refs, "dout", in_first,  # zeros outside x: nothing outside summed
+                           lambda dout: load_tile(dout.at[rows, :], tile))
             if static.silu:
                 u = pre_activation(refs, tile, row_taps)
                 s = sigmoid(u)
@@ -73,18 +78,20 @@ def _pre_activation_grad_kernel(refs, *, static):
 
 
 def gradients(x, weight, bias, history, dout, *, static):
-    """(dx in x's dtype, dweight (W, C) float32, dbias (C,) float32 or None) of
-    `forward.convolve`, given dout (B, T, C)."""
+    """(dx (B, T, C) in x's dtype, dweight (W, C) float32, dbias (C,) float32 or None) of
+    `forward.convolve`, given dout (B, T, C), or its two parts with a split. dx is the
+    gradient of x's conv channels."""
     tiles = static.backward_tiles
-    b, t, c = x.shape
-    width = static.width
+    b, t = x.shape[:2]
+    c, width = static.channels, static.width
     t_blocks = _device.cdiv(t, tiles.block_t * tiles.steps)
     c_blocks = _device.cdiv(c, tiles.block_c)
-    span = pl.BlockSpec((None, tiles.block_t * tiles.steps, tiles.block_c),
-                        lambda b, t, c: (b, t, c))
-    inputs = operands(x, weight, bias, history, tiles).add("dout", span, dout)
+    span = tiles.block_t * tiles.steps
+    inputs = add_parts(operands(x, weight, bias, history, tiles, static), "dout", span, tiles,
+                       static, dout if static.split is not None else (dout,))
     outputs = (Operands()
-               .add("du", span, jax.ShapeDtypeStruct(x.shape, x.dtype))
+               .add("du", pl.BlockSpec((None, span, tiles.block_c), lambda b, t, c: (b, t, c)),
+                    jax.ShapeDtypeStruct((b, t, c), x.dtype))
                .add("dweight", pl.BlockSpec((None, None, width, tiles.block_c),
                                             lambda b, t, c: (b, t, 0, c)),
                     jax.ShapeDtypeStruct((b, t_blocks, width, c), jnp.float32))

@@ -7,6 +7,10 @@ rows before the first token from the initial states, which come padded at the fr
 of two of rows. The sum of the taps and the bias goes through the SiLU in float32 and is stored
 in x's dtype.
 
+x may be wider than the conv: its channels start at column `column_offset` (a packed
+projection, read in place), and the output may come in two arrays split at channel `split`;
+both are multiples of the channel blocks, so that a program's block lies in one part.
+
 Edge tiles (T or C not a multiple of the tile) load and store through explicit masks: jax 0.11's
 Pallas-Triton lowering masks no block that overhangs its array (0.12's does), and a tile past
 the end would read and write other buffers.
@@ -36,6 +40,8 @@ class Static:
     forward_tiles: object  # tuning.ConvTiles
     backward_tiles: object
     interpret: bool
+    column_offset: int = 0  # x's first conv channel
+    split: int | None = None  # the output as [0, split) and [split, C) (None: one array)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,22 +152,25 @@ def sigmoid(u):
 def _forward_kernel(refs, *, static):
     tiles = static.forward_tiles
     tile = Tile.of_program(tiles.block_t, tiles.block_c, refs.x.shape[0], static)
+    in_first = in_first_part(static, tiles.block_c)
 
     def body(reaches_back):
         u = pre_activation(refs, tile, taps(refs, tile, static, reaches_back))
         if static.silu:
             u = u * sigmoid(u)
-        store_tile(refs.out, u, tile)
+        by_part(refs, "out", in_first, lambda out: store_tile(out, u, tile))
 
     by_reach(body, pl.program_id(1) * tiles.block_t, static)
 
 
-def operands(x, weight, bias, history, tiles):
-    """The inputs every conv kernel reads, by grid (b, t, c): x and the padded initial states
-    whole along the tokens, weight (W, block_c), bias (block_c,)."""
+def operands(x, weight, bias, history, tiles, static):
+    """The inputs every conv kernel reads, by grid (b, t, c): x's conv channels and the padded
+    initial states whole along the tokens, weight (W, block_c), bias (block_c,)."""
     block_c = tiles.block_c
+    offset = static.column_offset // block_c
     return (Operands()
-            .add("x", pl.BlockSpec((None, x.shape[1], block_c), lambda b, t, c: (b, 0, c)), x)
+            .add("x", pl.BlockSpec((None, x.shape[1], block_c),
+                                   lambda b, t, c: (b, 0, c + offset)), x)
             .add("history", pl.BlockSpec((None, history.shape[1], block_c),
                                          lambda b, t, c: (b, 0, c)), history)
             .add("weight", pl.BlockSpec((weight.shape[0], block_c), lambda b, t, c: (0, c)),
@@ -169,16 +178,57 @@ def operands(x, weight, bias, history, tiles):
             .add("bias", pl.BlockSpec((block_c,), lambda b, t, c: (c,)), bias))
 
 
+def add_parts(operands, name, block_rows, tiles, static, arrays):
+    """`operands` with the (B, T, C) output or its gradient, by blocks of (block_rows,
+    block_c) at grid (b, t, c): `name` (the whole, or channels [0, split)) and, with a
+    split, `name`_rest (channels [split, C)), each program's block in the part it lies in
+    (the other part's index is clamped; the program touches only its own, `by_part`)."""
+    block = (None, block_rows, tiles.block_c)
+    if static.split is None:
+        return operands.add(name, pl.BlockSpec(block, lambda b, t, c: (b, t, c)), arrays[0])
+    first = static.split // tiles.block_c
+    return (operands
+            .add(name, pl.BlockSpec(block, lambda b, t, c: (b, t, jnp.minimum(c, first - 1))),
+                 arrays[0])
+            .add(name + "_rest", pl.BlockSpec(block, lambda b, t, c: (b, t, jnp.maximum(
+                c - first, 0))), arrays[1]))
+
+
+def in_first_part(static, block_c):
+    """Whether this program's channels lie in the output's first part (None without a split).
+    (Taken at the kernel's top: interpret mode reads program ids only outside loops.)"""
+    return None if static.split is None else pl.program_id(2) < static.split // block_c
+
+
+def by_part(refs, name, in_first, use):
+    """`use(ref)` with the part of `name` (`add_parts`) that the program's channels lie in,
+    `in_first` from `in_first_part`."""
+    if in_first is None:
+        return use(getattr(refs, name))
+    return jax.lax.cond(in_first, lambda: use(getattr(refs, name)),
+                        lambda: use(getattr(refs, name + "_rest")))
+
+
+def output_shapes(x, static):
+    """The (B, T, C) output's arrays: one, or the two parts of a split."""
+    b, t = x.shape[:2]
+    widths = ((static.channels,) if static.split is None
+              else (static.split, static.channels - static.split))
+    return [jax.ShapeDtypeStruct((b, t, width), x.dtype) for width in widths]
+
+
 def convolve(x, weight, bias, history, *, static):
-    """The conv's output (B, T, C) in x's dtype: x (B, T, C), weight (W, C), bias (C,) or None,
-    history (B, history_rows, C) (the initial states after zero rows)."""
+    """The conv's output (B, T, C) in x's dtype, or its two parts with a split: x (B, T, C_x)
+    (its channels from `column_offset`), weight (W, C), bias (C,) or None, history (B,
+    history_rows, C) (the initial states after zero rows)."""
     tiles = static.forward_tiles
-    b, t, c = x.shape
-    tile = pl.BlockSpec((None, tiles.block_t, tiles.block_c), lambda b, t, c: (b, t, c))
-    outputs = Operands().add("out", tile, jax.ShapeDtypeStruct(x.shape, x.dtype))
-    return _operands.call(
+    b, t = x.shape[:2]
+    outputs = add_parts(Operands(), "out", tiles.block_t, tiles, static,
+                        output_shapes(x, static))
+    result = _operands.call(
         functools.partial(_forward_kernel, static=static),
-        operands(x, weight, bias, history, tiles), outputs,
-        grid=(b, _device.cdiv(t, tiles.block_t), _device.cdiv(c, tiles.block_c)),
+        operands(x, weight, bias, history, tiles, static), outputs,
+        grid=(b, _device.cdiv(t, tiles.block_t), _device.cdiv(static.channels, tiles.block_c)),
         num_warps=tiles.num_warps, num_stages=1, interpret=static.interpret,
-        name="causal_conv1d_forward", masks_edges=True)["out"]
+        name="causal_conv1d_forward", masks_edges=True)
+    return result["out"] if static.split is None else (result["out"], result["out_rest"])

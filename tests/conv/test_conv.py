@@ -1,6 +1,7 @@
 """The causal conv (`causal_conv1d`): the kernels in interpret mode on CPU against a float64
-numpy convolution written here, forward and every gradient; packed sequences (the reference)
-against per-sequence runs; the argument checks."""
+numpy convolution written here, forward and every gradient; the channels of a wider x read in
+place and the output in two parts; packed sequences (the reference) against per-sequence runs;
+the argument checks."""
 
 import functools
 import zlib
@@ -107,6 +108,73 @@ def test_kernel_gradients_are_bitwise_reproducible():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+# (id, T, x's channels, column_offset, C, split, dtype): offsets and splits that are multiples
+# of the kernels' channel block (128) read and write in place, the others are sliced.
+COLUMN_CASES = [
+    ("in-place-and-split", 70, 512, 128, 256, 128, F32),
+    ("in-place-bf16", 64, 640, 256, 384, 256, BF16),
+    ("in-place-one-output", 33, 384, 128, 256, None, F32),
+    ("split-only", 40, 256, None, 256, 128, F32),
+    ("sliced", 33, 300, 20, 200, 72, F32),
+]
+
+
+@pytest.mark.parametrize("case", COLUMN_CASES, ids=[c[0] for c in COLUMN_CASES])
+def test_columns_of_a_wider_x_and_output_parts(case):
+    """The conv over x's columns [column_offset, column_offset + C) with the output split at
+    `split` equals the conv of those columns, split; every gradient (x's zero outside them)
+    equals the reference's, through both parts' cotangents."""
+    name, t, width_x, offset, c, split, dtype = case
+    rng = np.random.default_rng(_seed(name))
+    x, weight, bias, states = (jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+                               for shape, scale in (((2, t, width_x), 1.0), ((4, c), 0.5),
+                                                    ((c,), 0.5), ((2, 3, c), 1.0)))
+    parts = 1 if split is None else 2
+    douts = [jnp.asarray(rng.standard_normal((2, t, width)), dtype)
+             for width in ((c,) if split is None else (split, c - split))]
+
+    def run(implementation, x, weight, bias, states):
+        out = pallas_kernels.causal_conv1d(
+            x, weight, bias, initial_states=states, column_offset=offset, split=split,
+            implementation=implementation, interpret=True)
+        return (out,) if split is None else out
+
+    got, vjp = jax.vjp(functools.partial(run, "pallas"), x, weight, bias, states)
+    start = offset or 0
+    whole = _expected(x[..., start:start + c], weight, bias, states, "silu")
+    expected = (whole,) if split is None else (whole[..., :split], whole[..., split:])
+    assert len(got) == parts
+    for out, want in zip(got, expected, strict=True):
+        assert out.dtype == dtype and out.shape == want.shape
+        assert rel_error(out, want) < _tolerance(dtype)
+    with jax.enable_x64(True):
+        wide = [jnp.asarray(np.asarray(v, np.float64)) for v in (x, weight, bias, states)]
+        want_grads = jax.vjp(functools.partial(run, "xla"), *wide)[1](
+            tuple(jnp.asarray(np.asarray(d, np.float64)) for d in douts))
+    for name_, g, want in zip(("x", "weight", "bias", "initial_states"), vjp(tuple(douts)),
+                              want_grads, strict=True):
+        assert g.shape == want.shape, name_
+        assert rel_error(g, np.asarray(want)) < _tolerance(dtype), name_
+    dx = np.asarray(vjp(tuple(douts))[0], np.float32)
+    assert not np.any(dx[..., :start]) and not np.any(dx[..., start + c:])
+
+
+def test_aligned_columns_are_read_in_place():
+    """At an offset and split that are multiples of 128 the kernels take x whole (no copy of
+    its columns) and write the two parts themselves (no copy of the output)."""
+    x = jnp.zeros((1, 16, 512), F32)
+
+    def conv(x):
+        return pallas_kernels.causal_conv1d(x, jnp.ones((4, 256), F32), column_offset=128,
+                                            split=128, implementation="pallas", interpret=True)
+
+    calls = [eqn for eqn in jax.make_jaxpr(conv)(x).jaxpr.eqns
+             if eqn.primitive.name == "custom_vjp_call"]
+    (call,) = calls
+    assert call.invars[0].aval.shape == (1, 16, 512)
+    assert [v.aval.shape for v in call.outvars] == [(1, 16, 128), (1, 16, 128)]
+
+
 def test_packed_sequences_equal_separate_runs():
     """With seq_idx, each sequence of a packed row convolves as if alone (zeros before it)."""
     rng = np.random.default_rng(_seed("packed"))
@@ -128,6 +196,10 @@ def test_packed_sequences_equal_separate_runs():
     (dict(seq_idx=jnp.zeros((2, 4), jnp.int32)), ValueError, "seq_idx must be (2, 5)"),
     (dict(initial_seq_idx=jnp.zeros((2, 3), jnp.int32)), ValueError, "needs seq_idx"),
     (dict(activation="relu"), ValueError, "activation must be one of"),
+    (dict(column_offset=2), ValueError, "column_offset must leave weight's C = 8"),
+    (dict(column_offset=1.0), TypeError, "column_offset must be an int or None"),
+    (dict(split=8), ValueError, "split must be in (0, C) = (0, 8)"),
+    (dict(split="4"), TypeError, "split must be an int or None"),
 ])
 def test_bad_arguments_raise_naming_them(kwargs, error, needle):
     call = dict(x=jnp.zeros((2, 5, 8)), weight=jnp.ones((4, 8)))

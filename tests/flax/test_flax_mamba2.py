@@ -40,6 +40,33 @@ def test_pallas_and_xla_agree_with_parameter_gradients():
         _close(a, b, 1e-4)
 
 
+@pytest.mark.parametrize("d_model, d_ssm", [(64, None), (128, 128)], ids=["ssm", "with-mlp"])
+def test_conv_reads_in_proj_output_in_place(d_model, d_ssm):
+    """Where xBC's first column and d_ssm are multiples of 128, the conv kernels take
+    in_proj's output whole and write x and [B, C] apart (no copies); the layer's outputs and
+    gradients equal the reference's."""
+    u = jax.random.normal(jax.random.key(4), (2, 40, d_model))
+    layers = [Mamba2(d_model, d_ssm=d_ssm, implementation=implementation, rngs=nnx.Rngs(5),
+                     **SMALL) for implementation in ("pallas", "xla")]
+    layer = layers[0]
+    calls = [eqn for eqn in jax.make_jaxpr(lambda u: layer(u))(u).jaxpr.eqns
+             if eqn.primitive.name == "custom_vjp_call"
+             and eqn.invars[0].aval.shape == (2, 40, layer.in_proj.out_features)]
+    assert [[v.aval.shape for v in eqn.outvars] for eqn in calls] == [
+        [(2, 40, layer.d_ssm), (2, 40, 2 * layer.d_state)]]
+
+    def loss(layer):
+        y = layer(u)
+        return jnp.sum(jnp.sin(y)), y
+
+    (_, y), g = nnx.value_and_grad(loss, has_aux=True)(layers[0])
+    (_, y_ref), g_ref = nnx.value_and_grad(loss, has_aux=True)(layers[1])
+    _close(y, y_ref)
+    for a, b in zip(jax.tree.leaves(nnx.state(g, nnx.Param)),
+                    jax.tree.leaves(nnx.state(g_ref, nnx.Param)), strict=True):
+        _close(a, b, 1e-4)
+
+
 @pytest.mark.parametrize("options", [dict(ngroups=1), dict(ngroups=2, rmsnorm=False),
                                      dict(ngroups=2, norm_before_gate=True, d_conv=1)])
 def test_decode_continues_the_forward_exactly(options):
