@@ -52,6 +52,31 @@ def test_conv_matches_the_reference_on_the_gpu(b, t, c):
         assert _worst_row_error(got, want) < 3e-2
 
 
+@pytest.mark.parametrize("b, t", [(4, 4096), (2, 77)])
+def test_conv_in_place_and_split_match_the_reference_on_the_gpu(b, t):
+    """The mixer's call: xBC's 4224 channels read in place from in_proj's 8384 (from column
+    4096), the output written as x (4096) and [B, C] (128)."""
+    zxbcdt, dx, dbc, weight, bias, states = _normals(
+        2, (b, t, 8384), (b, t, 4096), (b, t, 128), (4, 4224), (4224,), (b, 3, 4224))
+
+    def conv(zxbcdt, weight, bias, states, implementation):
+        return pallas_kernels.causal_conv1d(zxbcdt, weight, bias, initial_states=states,
+                                            column_offset=4096, split=4096,
+                                            implementation=implementation)
+
+    results = []
+    for implementation, cast in (("pallas", None), ("xla", jnp.float32)):
+        values = [a if cast is None else a.astype(cast) for a in (zxbcdt, weight, bias, states)]
+        out, vjp = jax.vjp(lambda *a, i=implementation: conv(*a, implementation=i), *values)
+        douts = (dx, dbc) if cast is None else (dx.astype(cast), dbc.astype(cast))
+        results.append([*out, *vjp(douts)])
+    for got, want in zip(*results, strict=True):
+        assert np.all(np.isfinite(np.asarray(got, np.float32)))
+        assert rel_error(got, want) < 2e-2
+    for got, want in zip(results[0][:3], results[1][:3], strict=True):  # x, [B, C], d(zxbcdt)
+        assert _worst_row_error(got, want) < 3e-2
+
+
 @pytest.mark.parametrize("shape, group_size, norm_before_gate",
                          [((4, 4096, 4096), None, False), ((2, 77, 1024), 256, True)])
 def test_norm_matches_the_reference_on_the_gpu(shape, group_size, norm_before_gate):
