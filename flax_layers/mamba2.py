@@ -224,16 +224,18 @@ class Mamba2(nnx.Module):
         return d.reshape(self.nheads, self.headdim) if self.D_has_hdim else d
 
     @jax.named_scope("norm_and_out_proj")
-    def _norm_and_project(self, y, z, mlp):
+    def _norm_and_project(self, y, z, mlp, packed):
         """Gated grouped RMSNorm (without rmsnorm the SSD already applied the gate), the gated
         MLP's silu(z0) * x0 before it where d_mlp > 0, out_proj.
 
-        y, z (..., d_ssm); mlp [z0, x0] (..., 2 d_mlp).
+        y, z (..., d_ssm); mlp [z0, x0] (..., 2 d_mlp); packed: in_proj's output, from which
+        the norm kernels read z in place.
         """
         if self.rmsnorm:  # y split over heads runs the reference (the kernels read whole groups)
             y = pallas_kernels.rms_norm_gated(
-                y, self.norm_weight[...], z, eps=self.norm_eps,
+                y, self.norm_weight[...], packed, eps=self.norm_eps,
                 group_size=self.d_ssm // self.ngroups, norm_before_gate=self.norm_before_gate,
+                z_column_offset=2 * self.d_mlp,
                 implementation="xla" if features_sharded(y) else self.implementation)
         y = y.astype(jnp.float32)
         if self.d_mlp:
@@ -271,7 +273,7 @@ class Mamba2(nnx.Module):
         else:
             history = jnp.zeros((u.shape[0], self.d_conv - 1, self.conv_dim), xbc.dtype)
             y, _ = self._scan(z, xbc, dt, history, None, seq_idx, caches=False, packed=zxbcdt)
-        return self._norm_and_project(y, z, mlp)
+        return self._norm_and_project(y, z, mlp, zxbcdt)
 
     def _scan(self, z, xbc, dt, history, initial_states, seq_idx=None, *, caches=True,
               step_sizes=False, packed=None):

@@ -50,7 +50,7 @@ def bind(inputs, outputs, refs):
 
 
 def call(kernel, inputs, outputs, *, grid, num_warps, num_stages, interpret, name,
-         aliases=None, masks_edges=False):
+         aliases=None, masks_edges=False, windows=()):
     """`pl.pallas_call` of `kernel(refs)` (`Refs`) over the named inputs and outputs, lowered
     through Triton with `num_warps` and `num_stages`; returns the outputs as a dict by name.
 
@@ -58,7 +58,9 @@ def call(kernel, inputs, outputs, *, grid, num_warps, num_stages, interpret, nam
     `masks_edges`: the kernel then loads and stores its edge tiles through explicit masks
     (`plt.load` / `plt.store`). jax 0.11's Pallas-Triton masks no block that overhangs its
     array (0.12's does), so there an edge tile would read and write other buffers: a
-    ValueError names the operand before anything runs.
+    ValueError names the operand before anything runs. `windows` names operands read through
+    whole blocks inside a wider array (a packed projection's columns): their index maps never
+    reach the part that does not tile.
 
     `aliases` {input name: output name} makes each such output share its input's buffer (the
     kernel updates it in place; under `jax.jit` with the input donated no copy is made): the
@@ -67,7 +69,7 @@ def call(kernel, inputs, outputs, *, grid, num_warps, num_stages, interpret, nam
     """
 
     if not masks_edges:
-        _check_whole_blocks(name, inputs, outputs)
+        _check_whole_blocks(name, windows, inputs, outputs)
 
     def positional(*refs):
         kernel(bind(inputs, outputs, refs))
@@ -91,12 +93,13 @@ def call(kernel, inputs, outputs, *, grid, num_warps, num_stages, interpret, nam
     return dict(zip(outputs.names, results, strict=True))
 
 
-def _check_whole_blocks(name, *groups):
-    """Raises ValueError for an operand whose block does not tile its array whole."""
+def _check_whole_blocks(name, windows, *groups):
+    """Raises ValueError for an operand (but `windows`) whose block does not tile its array
+    whole."""
     for group in groups:
         for operand, spec, value in zip(group.names, group.specs, group.values, strict=True):
             block = getattr(spec, "block_shape", None)
-            if block is None:
+            if block is None or operand in windows:
                 continue
             for size, extent in zip(block, value.shape, strict=True):
                 if isinstance(size, int) and extent % size:

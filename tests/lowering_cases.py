@@ -132,20 +132,23 @@ def _decode(kv_dtype, paged=True, head_dim=128, t=1):
     return make
 
 
-def _norm(channels, norm_before_gate, group_size=None):
+def _norm(channels, norm_before_gate, group_size=None, z_width=None):
     """The gated RMSNorm forward and backward (vjp) over B 2 x T 4096 rows of `channels`, bf16:
-    the zamba2-like mixer (4096, gate first) and 8 groups of 1024 (gate after)."""
+    the zamba2-like mixer (4096, gate first, z read in place from in_proj's 8384 columns) and 8
+    groups of 1024 (gate after)."""
     def make():
         x = jax.ShapeDtypeStruct((2, 4096, channels), jnp.bfloat16)
         weight = jax.ShapeDtypeStruct((channels,), jnp.float32)
+        z = x if z_width is None else jax.ShapeDtypeStruct((2, 4096, z_width), jnp.bfloat16)
 
         def train_step(x, weight, z):
             norm = functools.partial(pallas_kernels.rms_norm_gated, group_size=group_size,
-                                     norm_before_gate=norm_before_gate)
+                                     norm_before_gate=norm_before_gate,
+                                     z_column_offset=None if z_width is None else 0)
             out, vjp = jax.vjp(norm, x, weight, z)
             return out, vjp(out)
 
-        return "norm", train_step, (x, weight, x)
+        return "norm", train_step, (x, weight, z)
 
     return make
 
@@ -181,7 +184,7 @@ CASES = {
     **{f"decode-{jnp.dtype(d).name}-paged": _decode(d)
        for d in (jnp.bfloat16, jnp.float32, jnp.int8, jnp.uint8, jnp.float8_e4m3fn)},
     "decode-bfloat16-dense-h80-t4": _decode(jnp.bfloat16, paged=False, head_dim=80, t=4),
-    "norm-gated-d4096": _norm(4096, False),
+    "norm-gated-d4096": _norm(4096, False, z_width=8384),
     "norm-gated-d8192-g8": _norm(8192, True, group_size=1024),
     "conv-mixer": _conv,
 }

@@ -37,3 +37,20 @@ def test_a_block_that_overhangs_its_array_is_refused():
 
 def test_a_kernel_that_masks_its_edges_may_overhang():
     assert _copy(jnp.zeros(77), 16, masks_edges=True).shape == (77,)
+
+
+def test_a_window_of_whole_blocks_in_a_wider_array_is_read():
+    """A (16,)-block window from element 32 of a 77-element array: its blocks never reach the
+    part that does not tile, so `windows` lets it through."""
+    wide = jnp.arange(77, dtype=jnp.float32)
+    spec = pl.BlockSpec((16,), lambda i: (i + 2,))
+
+    def kernel(refs):
+        refs.out[...] = refs.x[...]
+
+    out = _operands.call(kernel, Operands().add("x", spec, wide),
+                         Operands().add("out", pl.BlockSpec((16,), lambda i: (i,)),
+                                        jax.ShapeDtypeStruct((32,), wide.dtype)),
+                         grid=(2,), num_warps=4, num_stages=1, interpret=True, name="window",
+                         windows=("x",))["out"]
+    np.testing.assert_array_equal(out, wide[32:64])

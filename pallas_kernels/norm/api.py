@@ -28,6 +28,7 @@ def rms_norm_gated(
     eps: float = 1e-6,
     group_size: int | None = None,
     norm_before_gate: bool = True,
+    z_column_offset: int | None = None,
     sharding=None,
     implementation: str | None = None,
     interpret: bool | None = None,
@@ -47,6 +48,10 @@ def rms_norm_gated(
       eps: added to the mean square, > 0.
       group_size: channels per group, dividing D; None: D (one group).
       norm_before_gate: where the gate applies (see above).
+      z_column_offset: None, or z is (..., D_z) wider than x and its D channels start at this
+        column (a packed projection such as Mamba2's in_proj output): the kernels read them in
+        place where the offset is a multiple of `group_size`, else z's columns are sliced out
+        first. z's gradient is zero outside them.
       sharding: as for `mamba_chunk_scan_combined` (a NamedSharding or PartitionSpec of x,
         which must then be (B, T, D)); None reads a (B, T, D) x's own on meshes with Explicit
         axes.
@@ -60,9 +65,13 @@ def rms_norm_gated(
       (..., D) in x's dtype. Gradients flow to x, weight and z (the kernels' backward when
       the kernels ran the forward).
     """
-    checks.check_arrays(x, weight, z)
+    checks.check_arrays(x, weight, z, z_column_offset)
     channels = x.shape[-1]
     group_size = checks.check_group_size(group_size, channels)
+    # The kernels read z's channels in place from a whole group's offset; else they are sliced.
+    in_place = z_column_offset is not None and z_column_offset % group_size == 0
+    if z_column_offset is not None and not in_place:
+        z = z[..., z_column_offset:z_column_offset + channels]
     eps = _dispatch.check_positive("eps", eps, default=1e-6)
     norm_before_gate = _dispatch.check_bool("norm_before_gate", norm_before_gate)
     implementation, interpret = _dispatch.choose(implementation, interpret)
@@ -70,6 +79,8 @@ def rms_norm_gated(
     if (implementation == "xla" or x.dtype == jnp.float64
             or _device.pow2_at_least(group_size, minimum=1) != group_size
             or group_size > tuning.MAX_GROUP):
+        if in_place:
+            z = z[..., z_column_offset:z_column_offset + channels]
         return reference.rms_norm_gated(x, weight, z, **options)
 
     def local(x, weight, z):
@@ -77,8 +88,9 @@ def rms_norm_gated(
         static = forward.Static(
             group_size=group_size, eps=eps, gated=z is not None,
             norm_before_gate=norm_before_gate,
-            tiles=tuning.tiles(_device.target()[0], rows, group_size), interpret=interpret)
-        flat = None if z is None else z.reshape(rows, channels)
+            tiles=tuning.tiles(_device.target()[0], rows, group_size), interpret=interpret,
+            z_offset=z_column_offset // group_size if in_place else 0)
+        flat = None if z is None else z.reshape(rows, z.shape[-1])
         return _norm(static, x.reshape(rows, channels), weight, flat).reshape(x.shape)
 
     if sharding is not None and x.ndim != 3:
@@ -105,6 +117,9 @@ def _norm_fwd(static, x, weight, z):
 def _norm_bwd(static, residuals, dout):
     x, weight, z = residuals
     dx, dz, dweight = backward.gradients(x, weight, z, dout, static=static)
+    if dz is not None and dz.shape != z.shape:  # z wider than x (read in place): zeros outside
+        start = static.z_offset * static.group_size
+        dz = jnp.pad(dz, ((0, 0), (start, z.shape[1] - start - dz.shape[1])))
     grads = (dx, dweight.astype(weight.dtype), dz)
     return tuple(map(_sharding.cotangent_like, grads, residuals))
 

@@ -59,26 +59,27 @@ def _backward_kernel(refs, *, static):
 
 
 def gradients(x, weight, z, dout, *, static):
-    """(dx, dz or None, dweight) of `forward.normalise` at x (M, D), weight (D,), z like x or
-    None, given dout (M, D); dweight float32."""
+    """(dx, dz (M, D) or None, dweight) of `forward.normalise` at x (M, D), weight (D,), z (M,
+    D_z) (x's channels from group `z_offset`) or None, given dout (M, D); dweight float32."""
     rows, channels = x.shape
     groups = channels // static.group_size
     programs = _device.cdiv(rows // static.tiles.block_rows, static.tiles.backward_blocks)
     # Each program walks whole columns of row tiles: its blocks span every row.
     column = pl.BlockSpec((rows, static.group_size), lambda p, g: (0, g))
+    z_column = pl.BlockSpec((rows, static.group_size), lambda p, g: (0, g + static.z_offset))
     inputs = (Operands()
               .add("x", column, x)
-              .add("z", column, z)
+              .add("z", z_column, z)
               .add("dout", column, dout)
               .add("weight", pl.BlockSpec((static.group_size,), lambda p, g: (g,)), weight))
     outputs = (Operands()
                .add("dx", column, jax.ShapeDtypeStruct(x.shape, x.dtype))
-               .add("dz", column, None if z is None else jax.ShapeDtypeStruct(z.shape, z.dtype))
+               .add("dz", column, None if z is None else jax.ShapeDtypeStruct(x.shape, z.dtype))
                .add("dweight", pl.BlockSpec((None, static.group_size), lambda p, g: (p, g)),
                     jax.ShapeDtypeStruct((programs, channels), jnp.float32)))
     result = _operands.call(
         functools.partial(_backward_kernel, static=static), inputs, outputs,
         grid=(programs, groups), num_warps=static.tiles.backward_warps,
         num_stages=static.tiles.backward_stages,
-        interpret=static.interpret, name="rms_norm_gated_backward")
+        interpret=static.interpret, name="rms_norm_gated_backward", windows=("z",))
     return result["dx"], result.get("dz"), jnp.sum(result["dweight"], axis=0)

@@ -8,16 +8,25 @@ import numpy as np
 from pallas_kernels import _dispatch
 
 
-def check_arrays(x, weight, z):
-    """x (..., D) with at least one leading axis, weight (D,), z of x's shape or None; float
-    dtypes."""
+def check_arrays(x, weight, z, z_column_offset=None):
+    """x (..., D) with at least one leading axis, weight (D,), z of x's shape (or wider, its D
+    channels from `z_column_offset`) or None; float dtypes."""
     _dispatch.check_floats({"x": x, "weight": weight, "z": z}, _dispatch.FLOATS,
                            "bfloat16, float16, float32 or float64")
     if x.ndim < 2:
         raise ValueError(f"x must be (..., D) with at least one leading axis, got {x.shape}")
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight must be (D,) = {x.shape[-1:]}, got {weight.shape}")
-    if z is not None and z.shape != x.shape:
+    if z_column_offset is not None:
+        if (not isinstance(z_column_offset, numbers.Integral)
+                or isinstance(z_column_offset, bool | np.bool_)):
+            raise TypeError(f"z_column_offset must be an int or None, got {z_column_offset!r}")
+        if z is None or z.shape[:-1] != x.shape[:-1] or not (
+                0 <= z_column_offset <= z.shape[-1] - x.shape[-1]):
+            raise ValueError(f"z_column_offset: z must hold x's {x.shape[-1]} channels from "
+                             f"column {z_column_offset} with x's leading axes {x.shape[:-1]}, "
+                             f"got z {None if z is None else z.shape}")
+    elif z is not None and z.shape != x.shape:
         raise ValueError(f"z must have x's shape {x.shape}, got {z.shape}")
 
 

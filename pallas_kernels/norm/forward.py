@@ -3,7 +3,8 @@
 One program per (tile of `block_rows` rows, group): it reads the tile's x (and z) once, whole
 groups (a power of two of channels: `api` sends other sizes to the reference), and writes the
 normalised output in x's dtype. Nothing else is kept for the backward, which recomputes the row
-statistics from the same reads (`backward.py`).
+statistics from the same reads (`backward.py`). z may be wider than x (a packed projection, read
+in place): its channels start at a multiple of the group size, `z_offset` groups in.
 """
 
 import dataclasses
@@ -27,6 +28,7 @@ class Static:
     norm_before_gate: bool
     tiles: object  # tuning.NormTiles
     interpret: bool
+    z_offset: int = 0  # z's first channel, in groups
 
 
 def gate_and_slope(z):
@@ -54,17 +56,20 @@ def _forward_kernel(refs, *, static):
 
 
 def normalise(x, weight, z, *, static):
-    """The normalised rows: x (M, D) with M % block_rows == 0, weight (D,), z like x or None;
-    returns (M, D) in x's dtype."""
+    """The normalised rows: x (M, D) with M % block_rows == 0, weight (D,), z (M, D_z) (x's
+    channels from group `z_offset`) or None; returns (M, D) in x's dtype."""
     rows, channels = x.shape
     groups = channels // static.group_size
     tile = pl.BlockSpec((static.tiles.block_rows, static.group_size), lambda i, g: (i, g))
+    z_tile = pl.BlockSpec((static.tiles.block_rows, static.group_size),
+                          lambda i, g: (i, g + static.z_offset))
     inputs = (Operands()
               .add("x", tile, x)
-              .add("z", tile, z)
+              .add("z", z_tile, z)
               .add("weight", pl.BlockSpec((static.group_size,), lambda i, g: (g,)), weight))
     outputs = Operands().add("out", tile, jax.ShapeDtypeStruct(x.shape, x.dtype))
     return _operands.call(
         functools.partial(_forward_kernel, static=static), inputs, outputs,
         grid=(rows // static.tiles.block_rows, groups), num_warps=static.tiles.num_warps,
-        num_stages=1, interpret=static.interpret, name="rms_norm_gated_forward")["out"]
+        num_stages=1, interpret=static.interpret, name="rms_norm_gated_forward",
+        windows=("z",))["out"]

@@ -92,3 +92,18 @@ def test_norm_matches_the_reference_on_the_gpu(shape, group_size, norm_before_ga
         assert rel_error(got, want) < 2e-2
     for i in (0, 1, 3):  # out, dx, dz row by row
         assert _worst_row_error(kernel[i], ref[i]) < 3e-2
+
+
+def test_norm_reads_z_in_place_on_the_gpu():
+    """The mixer's call: z, in_proj's first 4096 of 8384 columns, read in place."""
+    x, packed, dout, weight = _normals(3, (4, 4096, 4096), (4, 4096, 8384), (4, 4096, 4096),
+                                       (4096,))
+
+    def norm(x, weight, packed, implementation):
+        return pallas_kernels.rms_norm_gated(x, weight, packed, norm_before_gate=False,
+                                             z_column_offset=0, implementation=implementation)
+
+    kernel, ref = _vjp_both(norm, [x, weight, packed], dout)
+    for got, want in zip(kernel, ref, strict=True):
+        assert rel_error(got, want) < 2e-2
+    assert not np.any(np.asarray(kernel[3], np.float32)[..., 4096:])

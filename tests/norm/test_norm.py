@@ -1,6 +1,6 @@
 """The gated RMSNorm (`rms_norm_gated`): the kernels in interpret mode on CPU against a float64
-computation written here, forward and every gradient; the reference against the same; the
-argument checks."""
+computation written here, forward and every gradient; the reference against the same; z read
+in place from a wider array; the argument checks."""
 
 import functools
 import zlib
@@ -93,6 +93,33 @@ def test_every_gradient_matches_float64(case):
         assert rel_error(got, want) < _tolerance(dtype), label
 
 
+@pytest.mark.parametrize("z_width, offset, group_size", [(640, 256, 128), (640, 0, None),
+                                                         (600, 100, 128)],
+                         ids=["in-place", "in-place-at-0", "sliced"])
+def test_z_read_from_a_wider_array(z_width, offset, group_size):
+    """z's channels at `z_column_offset` of a wider array (Mamba2's in_proj output): read in
+    place at a whole group's offset, else sliced; outputs and gradients (z's zero outside its
+    channels) equal the reference's on the sliced z."""
+    rng = np.random.default_rng(_seed(f"wide-z-{offset}"))
+    x, weight, zs, dout = (jnp.asarray(rng.standard_normal(shape), F32) for shape in
+                           ((2, 16, 256), (256,), (2, 16, z_width), (2, 16, 256)))
+
+    def run(implementation, x, weight, zs):
+        return pallas_kernels.rms_norm_gated(
+            x, weight, zs, eps=1e-5, group_size=group_size, norm_before_gate=False,
+            z_column_offset=offset, implementation=implementation, interpret=True)
+
+    out, vjp = jax.vjp(functools.partial(run, "pallas"), x, weight, zs)
+    z = zs[..., offset:offset + 256]
+    assert rel_error(out, _expected(x, weight, z, group_size or 256, False)) < 2e-5
+    expected = jax.vjp(functools.partial(run, "xla"), x, weight, zs)[1](dout)
+    for got, want, label in zip(vjp(dout), expected, ["dx", "dweight", "dz"], strict=True):
+        assert got.shape == want.shape, label
+        assert rel_error(got, want) < 2e-5, label
+    dz = np.asarray(vjp(dout)[2])
+    assert not np.any(dz[..., :offset]) and not np.any(dz[..., offset + 256:])
+
+
 def test_kernel_gradients_are_bitwise_reproducible():
     name, lead, d, group_size, gated, nbg, dtype = CASES[0]
     x, weight, z = _inputs(name, lead, d, dtype, gated)
@@ -127,6 +154,8 @@ def test_tiles_divide_the_rows_and_stay_within_the_tile(rows, group, expect_rows
     (dict(group_size=2.0), TypeError, "group_size must be a positive int"),
     (dict(eps=0.0), ValueError, "eps must be"),
     (dict(norm_before_gate=1), TypeError, "norm_before_gate must be a bool"),
+    (dict(z=jnp.zeros((2, 12)), z_column_offset=5), ValueError, "z must hold x's 8 channels"),
+    (dict(z=jnp.zeros((2, 12)), z_column_offset=1.5), TypeError, "z_column_offset must be"),
 ])
 def test_bad_arguments_raise_naming_them(kwargs, error, needle):
     call = dict(x=jnp.zeros((2, 8)), weight=jnp.ones((8,)), z=None)
