@@ -565,7 +565,7 @@ def measure_generate(run, opts):
     def seconds(n):
         def call():
             model.generate(prompt, n, temperature=0.0, rng=jax.random.key(1), kv_dtype=kv_dtype,
-                           page_size=16).block_until_ready()
+                           page_size=16, prefill_tokens=opts.prefill_tokens).block_until_ready()
 
         call()  # compiles
         times = []
@@ -597,6 +597,8 @@ def run_name(run):
 def generate_records(opts):
     """One record per generation run that `--generate` names (see `measure_generate`), printed
     as it finishes."""
+    from flax_layers import generation
+
     records = []
     for run in GENERATE_QUICK if opts.quick else GENERATE_RUNS:
         if opts.generate != "all" and run_name(run) not in opts.generate.split(","):
@@ -604,7 +606,8 @@ def generate_records(opts):
         batch, prompt_length, new_tokens, kv_dtype = run
         record = {"label": f"generate B{batch} prompt {prompt_length} +{new_tokens} {kv_dtype}",
                   "impl": "ours", "mode": "generate", "batch": batch, "prompt": prompt_length,
-                  "new_tokens": new_tokens, "kv_dtype": kv_dtype}
+                  "new_tokens": new_tokens, "kv_dtype": kv_dtype,
+                  "prefill_tokens": opts.prefill_tokens or generation.PREFILL_TOKENS}
         record = _harness.measured_record(
             record, functools.partial(measure_generate, run, opts), uses_torch=False)
         decode = record.get("decode_tokens_per_s")
@@ -731,6 +734,9 @@ def parse_args(argv=None):
                         help="also time HybridLM.generate on the 1.1B model: every run of "
                              "GENERATE_RUNS, or those named as B<batch>:<kv dtype>, comma "
                              "separated (B64:bfloat16)")
+    parser.add_argument("--prefill-tokens", type=int, default=None,
+                        help="generate's prefill_tokens (prompt tokens a prefill group holds; "
+                             "default flax_layers.generation.PREFILL_TOKENS)")
     _harness.add_output_arguments(parser, "decode")
     args = parser.parse_args(argv)
     _harness.check_common_arguments(parser, args, IMPLS)
@@ -747,6 +753,8 @@ def parse_args(argv=None):
     runs = {run_name(run) for run in GENERATE_RUNS + GENERATE_QUICK}
     if args.generate not in (None, "all") and not set(args.generate.split(",")) <= runs:
         parser.error(f"--generate names runs of {sorted(runs)}, got {args.generate}")
+    if args.prefill_tokens is not None and args.prefill_tokens < 1:
+        parser.error(f"--prefill-tokens must be >= 1, got {args.prefill_tokens}")
     if args.quick:
         args.chain_calls = min(args.chain_calls, 3)
         args.copy_gib = min(args.copy_gib, 1 / 64)

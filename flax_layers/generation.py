@@ -61,6 +61,7 @@ class CausalLM(nnx.Module):
         stop_tokens: Sequence[int] | ArrayLike | None = None,
         kv_dtype: DTypeLike | None = None,
         page_size: int | None = None,
+        prefill_tokens: int | None = None,
     ) -> jax.Array:
         """Samples up to `max_new_tokens` after each row's prompt, in one compiled call: the
         prompts run through the model once (the prefill: FlashAttention and the chunked SSD,
@@ -83,12 +84,16 @@ class CausalLM(nnx.Module):
           stop_tokens: None or a sequence of token ids: a row that samples one stops; its later
             positions repeat that token. The loop ends when every row has stopped.
           kv_dtype, page_size: the KV caches' storage (see `init_cache`).
+          prefill_tokens: None or an int >= 1: the prefill runs the prompts in groups of rows
+            holding at most this many prompt tokens (at least one row), one group after the
+            other. Its activations grow with it; the caches do not. Default PREFILL_TOKENS.
 
         Returns:
           (B, max_new_tokens) int32. Each argument is checked first (TypeError or ValueError
           naming it); with max_new_tokens 0 nothing else happens.
         """
-        _check_generate(prompt_tokens, max_new_tokens, temperature, rng, self.config.vocab_size)
+        _check_generate(prompt_tokens, max_new_tokens, temperature, rng, self.config.vocab_size,
+                        prefill_tokens)
         batch, t = prompt_tokens.shape
         sampling = _check_sampling(top_k, top_p, stop_tokens, self.config.vocab_size)
         lengths = (jnp.full((batch,), t, jnp.int32) if prompt_lengths is None
@@ -97,27 +102,28 @@ class CausalLM(nnx.Module):
         if max_new_tokens == 0:
             return jnp.zeros((batch, 0), jnp.int32)
         graphdef, state = nnx.split(self)
+        group = PREFILL_TOKENS if prefill_tokens is None else prefill_tokens
         return _generate(graphdef, state, prompt_tokens, lengths, rng, jnp.float32(temperature),
                          jnp.float32(1.0 if top_p is None else top_p),
                          jnp.asarray(sampling.stop_tokens, jnp.int32),
                          max_new_tokens=max_new_tokens, greedy=temperature == 0,
                          top_k=top_k, nucleus=top_p is not None,
                          kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name,
-                         page_size=page_size, prefill_rows=_prefill_rows(batch, t),
+                         page_size=page_size, prefill_rows=_prefill_rows(batch, t, group),
                          compute_dtype=None if self.config.dtype is None
                          else jnp.dtype(self.config.dtype).name)
 
 
-# A prefill runs its prompts in groups of rows of at most this many tokens, one group after
-# the other: its activations grow with the tokens (at the zamba2-like 1.1B shape, B 64 x 7680
-# prompt tokens at once asked XLA for 322 GiB), the caches only with the rows.
+# `generate`'s default prefill group, in prompt tokens: a prefill's activations grow with the
+# tokens of a group (at the zamba2-like 1.1B shape, B 64 x 7680 prompt tokens at once asked XLA
+# for 322 GiB), the caches only with the rows.
 PREFILL_TOKENS = 32768
 
 
-def _prefill_rows(batch, t):
-    """Rows per prefill group: the largest divisor of `batch` whose rows hold at most
-    PREFILL_TOKENS tokens (at least one row)."""
-    return max((r for r in range(1, batch + 1) if batch % r == 0 and r * t <= PREFILL_TOKENS),
+def _prefill_rows(batch, t, tokens):
+    """Rows per prefill group: the largest divisor of `batch` whose rows hold at most `tokens`
+    tokens (at least one row)."""
+    return max((r for r in range(1, batch + 1) if batch % r == 0 and r * t <= tokens),
                default=1)
 
 
@@ -249,20 +255,27 @@ def sample_token(logits: jax.Array, key: jax.Array, *, top_k: int | None = None,
 # Argument checks of `generate`: TypeError or ValueError naming the argument.
 
 
-def _check_generate(prompt_tokens, max_new_tokens, temperature, rng, vocab_size):
+def _check_generate(prompt_tokens, max_new_tokens, temperature, rng, vocab_size,
+                    prefill_tokens):
     """`generate`'s arguments, as its docstring gives them."""
     check_tokens("prompt_tokens", prompt_tokens, vocab_size)
-    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens,
-                                                                      bool | np.bool_):
-        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    _check_int("max_new_tokens", max_new_tokens, 0)
+    if prefill_tokens is not None:
+        _check_int("prefill_tokens", prefill_tokens, 1)
     if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool | np.bool_):
         raise TypeError(f"temperature must be a number, got {temperature!r}")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if not _is_key(rng):
         raise TypeError(f"rng must be a PRNG key (jax.random.key(seed)), got {rng!r}")
+
+
+def _check_int(name, value, minimum):
+    """A TypeError unless `value` is an int (not a bool), a ValueError if below `minimum`."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _is_key(rng):

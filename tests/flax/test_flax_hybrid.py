@@ -181,6 +181,8 @@ def test_generate_takes_zero_new_tokens_without_touching_the_model():
     (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be >= 0, got -1"),
     (dict(max_new_tokens=2.0), TypeError, "max_new_tokens must be an int"),
     (dict(max_new_tokens=True), TypeError, "max_new_tokens must be an int"),
+    (dict(prefill_tokens=0), ValueError, "prefill_tokens must be >= 1, got 0"),
+    (dict(prefill_tokens=8192.0), TypeError, "prefill_tokens must be an int"),
     (dict(temperature=-0.5), ValueError, "temperature must be a finite number >= 0"),
     (dict(temperature=float("nan")), ValueError, "temperature must be a finite number >= 0"),
     (dict(temperature=float("inf")), ValueError, "temperature must be a finite number >= 0"),
@@ -299,16 +301,17 @@ def test_ragged_prompts_generate_what_each_row_generates_alone():
         np.testing.assert_array_equal(together[row], alone[0])
 
 
-def test_a_prefill_in_groups_of_rows_generates_what_one_prefill_does(monkeypatch):
-    """Long prompts prefill a few rows at a time (`generation.PREFILL_TOKENS`), and the groups'
-    caches (paged, 8-bit with scales; conv and SSM states) join as one prefill's would."""
+def test_a_prefill_in_groups_of_rows_generates_what_one_prefill_does():
+    """Long prompts prefill a few rows at a time (`prefill_tokens`), and the groups' caches
+    (paged, 8-bit with scales; conv and SSM states) join as one prefill's would."""
     model = _small_model()
     prompt = jax.random.randint(jax.random.key(6), (4, 7), 0, 256)
     options = dict(prompt_lengths=jnp.array([7, 2, 5, 6]), kv_dtype="int8", page_size=16)
     whole = _greedy(model, prompt, 5, **options)
-    monkeypatch.setattr(generation, "PREFILL_TOKENS", 14)  # groups of 2 rows
-    assert generation._prefill_rows(4, 7) == 2
-    np.testing.assert_array_equal(_greedy(model, prompt, 5, **options), whole)
+    assert generation._prefill_rows(4, 7, 14) == 2 and generation._prefill_rows(4, 7, 6) == 1
+    for tokens in (14, 1):  # groups of 2 rows, of 1
+        np.testing.assert_array_equal(
+            _greedy(model, prompt, 5, prefill_tokens=tokens, **options), whole)
 
 
 def test_decode_after_a_ragged_prefill_equals_the_forward():
