@@ -282,8 +282,12 @@ class _SharedBlock(nnx.Module):
             out, cache = self.attention.attend_cached(x, cache, new_lengths=lengths, fresh=fresh,
                                                       adapter_outputs=extra)
         y = self.pre_ff_layernorm(out)
-        gate, up = jnp.split(self.gate_up(y) + adapters.mlp(y), 2, axis=-1)
-        return self.down(activation(gate) * up, out_sharding=token_features(h)), cache
+        gate_up = self.gate_up(y) + adapters.mlp(y)
+        # Slices, not jnp.split: their gradients are pads that XLA adds in the fusion writing
+        # d(gate_up); split's is a concatenate, a copy of the whole (B, T, 2F) array on its own.
+        half = gate_up.shape[-1] // 2
+        hidden = activation(gate_up[..., :half]) * gate_up[..., half:]
+        return self.down(hidden, out_sharding=token_features(h)), cache
 
 
 class _MambaLayer(nnx.Module):
