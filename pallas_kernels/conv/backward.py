@@ -45,7 +45,7 @@ def _pre_activation_grad_kernel(refs, *, static):
     tiles = static.backward_tiles
     length, width = refs.x.shape[0], static.width
     start = pl.program_id(1) * tiles.block_t * tiles.steps
-    first = Tile.of_program(tiles.block_t, tiles.block_c, length, static).moved(start, length)
+    first = Tile.of_program(tiles.block_t, tiles.block_c, length, static, first_row=start)
     in_first = in_first_part(static, tiles.block_c)
 
     def step(i, sums):

@@ -56,8 +56,12 @@ class Tile:
     col_ok: jax.Array | None
 
     @staticmethod
-    def of_program(block_t, block_c, length, static):
-        rows = pl.program_id(1) * block_t + jax.lax.broadcasted_iota(jnp.int32, (block_t,), 0)
+    def of_program(block_t, block_c, length, static, first_row=None):
+        """The program's tile: rows from `first_row` (None: program_id(1) * block_t), its
+        block of channels."""
+        if first_row is None:
+            first_row = pl.program_id(1) * block_t
+        rows = first_row + jax.lax.broadcasted_iota(jnp.int32, (block_t,), 0)
         cols = pl.program_id(2) * block_c + jax.lax.broadcasted_iota(jnp.int32, (block_c,), 0)
         col_ok = None if static.channels % block_c == 0 else cols < static.channels
         return Tile(rows, cols, rows < length, col_ok)
