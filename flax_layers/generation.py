@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 
-from flax_layers._checks import check_lengths, check_tokens
+from flax_layers._checks import check_lengths, check_sizes, check_tokens
 
 
 class CausalLM(nnx.Module):
@@ -86,7 +86,7 @@ class CausalLM(nnx.Module):
           kv_dtype, page_size: the KV caches' storage (see `init_cache`).
           prefill_tokens: None or an int >= 1: the prefill runs the prompts in groups of rows
             holding at most this many prompt tokens (at least one row), one group after the
-            other. Its activations grow with it; the caches do not. Default PREFILL_TOKENS.
+            other. Its activations grow with it; the caches do not. Default PREFILL_TOKENS (8192).
 
         Returns:
           (B, max_new_tokens) int32. Each argument is checked first (TypeError or ValueError
@@ -116,8 +116,9 @@ class CausalLM(nnx.Module):
 
 # `generate`'s default prefill group, in prompt tokens: a prefill's activations grow with the
 # tokens of a group, the caches only with the rows. At the zamba2-like 1.1B shape, B 64 x 7680
-# prompt tokens at once asked XLA for 322 GiB; groups of 32768 tokens fit bf16 KV caches on a
-# 141 GB GPU, of 8192 on an 80 GB one (6% slower prefill than 32768 on an H100).
+# prompt tokens at once asked XLA for 322 GiB; with bf16 KV caches, groups of 32768 tokens fit
+# a 141 GB GPU by arithmetic, groups of 8192 an 80 GB one (measured; prefill 6% slower than
+# with 32768 on an H100).
 PREFILL_TOKENS = 8192
 
 
@@ -260,23 +261,19 @@ def _check_generate(prompt_tokens, max_new_tokens, temperature, rng, vocab_size,
                     prefill_tokens):
     """`generate`'s arguments, as its docstring gives them."""
     check_tokens("prompt_tokens", prompt_tokens, vocab_size)
-    _check_int("max_new_tokens", max_new_tokens, 0)
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens,
+                                                                      bool | np.bool_):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if prefill_tokens is not None:
-        _check_int("prefill_tokens", prefill_tokens, 1)
+        check_sizes(prefill_tokens=prefill_tokens)
     if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool | np.bool_):
         raise TypeError(f"temperature must be a number, got {temperature!r}")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if not _is_key(rng):
         raise TypeError(f"rng must be a PRNG key (jax.random.key(seed)), got {rng!r}")
-
-
-def _check_int(name, value, minimum):
-    """A TypeError unless `value` is an int (not a bool), a ValueError if below `minimum`."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool | np.bool_):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _is_key(rng):

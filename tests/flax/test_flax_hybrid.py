@@ -181,7 +181,7 @@ def test_generate_takes_zero_new_tokens_without_touching_the_model():
     (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be >= 0, got -1"),
     (dict(max_new_tokens=2.0), TypeError, "max_new_tokens must be an int"),
     (dict(max_new_tokens=True), TypeError, "max_new_tokens must be an int"),
-    (dict(prefill_tokens=0), ValueError, "prefill_tokens must be >= 1, got 0"),
+    (dict(prefill_tokens=0), ValueError, "prefill_tokens must be a positive int, got 0"),
     (dict(prefill_tokens=8192.0), TypeError, "prefill_tokens must be an int"),
     (dict(temperature=-0.5), ValueError, "temperature must be a finite number >= 0"),
     (dict(temperature=float("nan")), ValueError, "temperature must be a finite number >= 0"),
