@@ -55,9 +55,10 @@ def _attention(head_dim, t=4096, feature="causal"):
     return make
 
 
-def _ssd(t=4096, groups=1, seq_idx=False, n=128):
+def _ssd(t=4096, groups=1, seq_idx=False, n=128, context=False):
     """The SSD's gradient at the Mamba2-2.7B mixer shape: H 80 heads of P 64, state N 128 (or
-    `n`), chunk 256, bf16, with D, z, dt_bias and initial states."""
+    `n`), chunk 256, bf16, with D, z, dt_bias and initial states; with `context`, the sequence
+    over the target mesh's axis (`MESH_SHAPES`: 2 devices), the kernels' state passing."""
     def make():
         b, h, p = 2, 80, 64
         bf16, f32 = jnp.bfloat16, jnp.float32
@@ -78,7 +79,8 @@ def _ssd(t=4096, groups=1, seq_idx=False, n=128):
             def loss(args):
                 y, final = pallas_kernels.mamba_chunk_scan_combined(
                     **args, chunk_size=256, seq_idx=seq, dt_softplus=True,
-                    return_final_states=True)
+                    return_final_states=True,
+                    sharding=jax.sharding.PartitionSpec(None, "x") if context else None)
                 return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
 
             return jax.grad(loss)(args)
@@ -180,6 +182,7 @@ CASES = {
     "ssd-t4096-seq_idx": _ssd(seq_idx=True),
     "ssd-t1000-g8": _ssd(t=1000, groups=8),
     "ssd-t4096-n64": _ssd(n=64),
+    "ssd-t4096-context": _ssd(context=True),
     "ssd-state-update": _state_update,
     **{f"decode-{jnp.dtype(d).name}-paged": _decode(d)
        for d in (jnp.bfloat16, jnp.float32, jnp.int8, jnp.uint8, jnp.float8_e4m3fn)},
@@ -190,9 +193,14 @@ CASES = {
 }
 
 
+# The abstract mesh's shape (axis "x") where a case needs more than one device.
+MESH_SHAPES = {"ssd-t4096-context": (2,)}
+
+
 def lower(case, target):
     """(family, the jax.stages.Lowered) of `CASES[case]` for `target` (a key of TARGETS)."""
     device_kind, platform = TARGETS[target]
     family, fn, args = CASES[case]()
-    with jax.sharding.use_abstract_mesh(_compat.abstract_gpu_mesh(device_kind, platform)):
+    mesh = _compat.abstract_gpu_mesh(device_kind, platform, MESH_SHAPES.get(case, (1,)))
+    with jax.sharding.use_abstract_mesh(mesh):
         return family, jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))

@@ -1,12 +1,14 @@
-"""What SSD context parallelism adds to one device's compute: the entering state's correction
-(cumulative decays, C . h in C's dtype, the merge into y) and the all-gathered state chain,
-timed on one GPU by standing in for the collectives (all_gather copies the local shard n
-times; the device is the last along the axis, so every correction is live).
+"""What SSD context parallelism adds to one device's compute, timed on one GPU by standing in
+for the collectives (all_gather copies the local shard n times; the device is the last along
+the axis, so the entering state is live), for both ways of `pallas_kernels.mamba2.context`:
+the entering state's correction in XLA (`state_passing` over the kernels: cumulative decays,
+C . h, the merge into y) and the kernels' two extra walks (`kernel_state_passing`, what a mesh
+runs: a states-only forward walk, a walk of the state gradients from dy alone).
 
     python -m benchmarks.experiments.ssd_state_passing_cost [--parts 2] [--rounds 5]
 
-Prints the direct call and the state-passing path, forward+backward, amortised ms, at T 4096
-N 128 G 1 chunk 256 (b 4, 80 heads of 64), bf16.
+Prints the direct call and both paths, forward+backward, amortised ms, at T 4096 N 128 G 1
+chunk 256 (b 4, 80 heads of 64), bf16.
 """
 
 import argparse
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from benchmarks import _timing
-from pallas_kernels.mamba2 import checks, context
+from pallas_kernels.mamba2 import api, checks, context, semantics
 
 
 def main():
@@ -48,10 +50,16 @@ def main():
     def direct(x, dt, B, C):
         return compute(x, dt, A, B, C, D, None, dt_bias, None, None)[0]
 
-    def passing(x, dt, B, C):
+    limit = checks.check_dt_limit((0.0, float("inf")))
+
+    def correction(x, dt, B, C):
         return context.state_passing(compute, "context", parts, x, dt, A, B, C, D, None,
-                                     dt_bias, None, None, dt_softplus=True,
-                                     dt_limit=checks.check_dt_limit((0.0, float("inf"))))[0]
+                                     dt_bias, None, None, dt_softplus=True, dt_limit=limit)[0]
+
+    def walks(x, dt, B, C):
+        return api._pallas_ssd(x, dt, semantics.decay_rates(A), B, C, 256, D, None, dt_bias,
+                               None, None, True, limit, False,
+                               sequence_axis=("context", parts))[0]
 
     def step(fn):
         def run(x, dt, B, C, dy):
@@ -59,7 +67,7 @@ def main():
             return out, *vjp(dy)
         return jax.jit(run)
 
-    steps = {"direct": step(direct), "state passing": step(passing)}
+    steps = {"direct": step(direct), "correction": step(correction), "walks": step(walks)}
     for s in steps.values():
         jax.block_until_ready(s(x, dt, B, C, dy))
     times = {name: [] for name in steps}
@@ -67,8 +75,9 @@ def main():
         for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
             times[name].append(1e3 * _timing.amortised_seconds(steps[name], x, dt, B, C, dy))
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"parts {parts}: direct {med['direct']:.3f} ms, state passing "
-          f"{med['state passing']:.3f} ms, ratio {med['state passing'] / med['direct']:.3f}")
+    print(f"parts {parts}: direct {med['direct']:.3f} ms; " + "; ".join(
+        f"{name} {med[name]:.3f} ms ({med[name] / med['direct']:.3f}x)"
+        for name in ("correction", "walks")))
 
 
 if __name__ == "__main__":

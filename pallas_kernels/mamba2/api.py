@@ -132,9 +132,11 @@ def mamba_chunk_scan_combined(
         seq_idx = jnp.searchsorted(cu_seqlens[1:], jnp.arange(x.shape[1]), side="right")[None]
     sequences = cu_seqlens if return_varlen_states else None
 
-    def compute(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, sequences=None):
+    def compute(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, sequences=None,
+                sequence_axis=None):
         """(y, final) of checked arrays (a shard's, on a mesh), and the sequences' final states
-        where `sequences` (cu_seqlens) is given."""
+        where `sequences` (cu_seqlens) is given; with `sequence_axis` (mesh axis name,
+        devices), the kernels' context parallelism (`context.kernel_state_passing`)."""
         if implementation == "xla":
             return reference.mamba_chunk_scan_combined(
                 x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
@@ -145,7 +147,7 @@ def mamba_chunk_scan_combined(
         dtype = semantics.compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states)
         outputs = _pallas_ssd(x, dt, semantics.decay_rates(A), B, C, chunk_size, D, z,
                               dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
-                              interpret, sequences)
+                              interpret, sequences, sequence_axis)
         return (outputs[0], *(v.astype(dtype) for v in outputs[1:]))
 
     arrays = (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
@@ -156,9 +158,12 @@ def mamba_chunk_scan_combined(
         local = compute
         if placement.sequence is not None:
             placement.check_sequence("x", x.shape[1], "contiguous")
-            local = functools.partial(
-                context.state_passing, compute, placement.sequence,
-                placement.size(placement.sequence), dt_softplus=dt_softplus, dt_limit=dt_limit)
+            axis = (placement.sequence, placement.size(placement.sequence))
+            if implementation == "xla" or axis[1] == 1:
+                local = functools.partial(context.state_passing, compute, *axis,
+                                          dt_softplus=dt_softplus, dt_limit=dt_limit)
+            else:
+                local = functools.partial(compute, sequence_axis=axis)
         y, final = _sharding.run(placement, local, arrays, *_specs(placement, x, B, D))
     outputs = (y, *([final] if return_final_states else []), *varlen)
     return outputs if len(outputs) > 1 else y
@@ -196,8 +201,9 @@ class _Config:
 
 
 def _pallas_ssd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                dt_softplus, dt_limit, interpret, cu_seqlens=None):
-    """Pads to whole chunks and power-of-two P and N, runs `_ssd`, slices back: (y, final),
+                dt_softplus, dt_limit, interpret, cu_seqlens=None, sequence_axis=None):
+    """Pads to whole chunks and power-of-two P and N, runs `_ssd` (with `sequence_axis`, a
+    (mesh axis name, devices) pair: `context.kernel_state_passing`), slices back: (y, final),
     and the sequences' final states (`_sequence_states`) where `cu_seqlens` is given."""
     b, t, h, p = x.shape
     n = B.shape[-1]
@@ -231,12 +237,15 @@ def _pallas_ssd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_i
         initial_states.astype(jnp.float32), (None, None, p_pad, n_pad))
     seq = None if seq_idx is None else pad(semantics.sequence_runs(seq_idx), (None, t_pad),
                                            "edge")
-    y, final = _ssd(
-        config, x, dt, dt_bias, A, B, C,
-        None if D is None else pad(semantics.skip_weights(D, h, p), (None, p_pad)),
-        None if z is None else pad(z.astype(x.dtype), (None, t_pad, None, p_pad)),
-        h0, seq,
-    )
+    arrays = (x, dt, dt_bias, A, B, C,
+              None if D is None else pad(semantics.skip_weights(D, h, p), (None, p_pad)),
+              None if z is None else pad(z.astype(x.dtype), (None, t_pad, None, p_pad)),
+              h0, seq)
+    if sequence_axis is None:
+        y, final = _ssd(config, *arrays)
+    else:
+        y, final = context.kernel_state_passing(config, *sequence_axis, *arrays,
+                                                context.shard_edges(seq_idx, b))
     if cu_seqlens is None:
         return y[:, :t, :, :p], final[:, :, :p, :n]
     varlen = _sequence_states(config, x, dt, dt_bias, A, B, C, h0, seq, cu_seqlens)

@@ -44,14 +44,7 @@ def gradients(residuals, dy, dfinal, *, static, blocks, plan):
     y_pre, entries: see `api`) and the cotangents dy (b, Tp, H, Pp) of y and dfinal
     (b, H, Pp, Np) of the final state."""
     x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre, entries = residuals
-    dz = None
-    if z is not None:
-        zf = z.astype(jnp.float32)
-        sig = jax.nn.sigmoid(zf)
-        dz = (dy.astype(jnp.float32) * y_pre.astype(jnp.float32) * sig * (1 + zf * (1 - sig)))
-        dz = dz.astype(z.dtype)
-        dy = dy.astype(jnp.float32) * zf * sig
-    dy = dy.astype(x.dtype)
+    dy, dz = gate_gradients(dy, z, y_pre, x.dtype)
     states, gstates, dh0 = states_and_gradients(
         x, dy, dt_step, s, B, C, seq, h0, dfinal.astype(jnp.float32), entries, static=static,
         blocks=blocks, plan=plan)
@@ -61,6 +54,17 @@ def gradients(residuals, dy, dfinal, *, static, blocks, plan):
     dA = jnp.sum(dlog_decay * dt_step, axis=(0, 2))
     ddt, ddt_bias = _step_size_vjp(static, dt, dt_bias, ddt_step)
     return dx, ddt, ddt_bias, dA, dB, dC, dD, dz, None if h0 is None else dh0
+
+
+def gate_gradients(dy, z, y_pre, dtype):
+    """(the gradient of the output before the z gate, in `dtype`; z's, or None) from that of
+    y = y_pre * silu(z)."""
+    if z is None:
+        return dy.astype(dtype), None
+    zf = z.astype(jnp.float32)
+    sig = jax.nn.sigmoid(zf)
+    dz = dy.astype(jnp.float32) * y_pre.astype(jnp.float32) * sig * (1 + zf * (1 - sig))
+    return (dy.astype(jnp.float32) * zf * sig).astype(dtype), dz.astype(z.dtype)
 
 
 def _step_size_vjp(static, dt, dt_bias, ddt_step):
@@ -83,7 +87,8 @@ def _state_gradients_kernel(program, refs, *, static, block_t, plan):
 
     def chunk(i, grad):
         c = part.first_chunk + part.num_chunks - 1 - i
-        refs.gstates[c] = grad.astype(refs.gstates.dtype)
+        if refs.gstates is not None:
+            refs.gstates[c] = grad.astype(refs.gstates.dtype)
         tok = _device.block_slice(c, block_t)
         dy = refs.dy[tok, :]
         cmat = refs.c[tok, :]
@@ -139,9 +144,11 @@ def states_and_gradients(x, dy, dt, s, b, c, seq, h0, dfinal, entries, *, static
     return states["states"], grads["gstates"], grads["dh0"]
 
 
-def state_gradients_call(dy, dt, s, c, seq, dfinal, *, static, blocks, plan):
+def state_gradients_call(dy, dt, s, c, seq, dfinal, *, static, blocks, plan,
+                         chunk_states=True):
     """The `walks.ScanCall` of the state gradients: gstates (B, nc, H, Pp, Np) in dy's dtype,
-    the gradient of the state leaving each chunk, and dh0 (B, H, Pp, Np) float32.
+    the gradient of the state leaving each chunk (without `chunk_states`: not written), and
+    dh0 (B, H, Pp, Np) float32.
 
     dy (B, Tp, H, Pp) is the gradient of the pre-gate output; dt, s (B, H, Tp); c (B, Tp, G, Np);
     seq (B, Tp) or None; dfinal (B, H, Pp, Np) float32 or None.
@@ -164,7 +171,8 @@ def state_gradients_call(dy, dt, s, c, seq, dfinal, *, static, blocks, plan):
         walks.add_unit_sums(inputs, *sums, plan, n_pad, bp, "gradients")
     outputs = (Operands()
                .add("gstates", pl.BlockSpec((None, nc, None, bp, n_pad), index.chunk_states),
-                    jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), dy.dtype))
+                    jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), dy.dtype)
+                    if chunk_states else None)
                .add("dh0", state_spec,
                     jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32)))
     return walks.ScanCall(

@@ -44,7 +44,7 @@ def _forward_kernel(program, refs, *, static, blocks, plan, emit, save_entries):
         masks = common.chunk_masks(c, refs.s, refs.seq, q)
         if emit == "states":
             refs.states[c] = state.astype(refs.states.dtype)
-        else:
+        elif emit == "output":
             scores = jnp.dot(cmat, b.T, preferred_element_type=jnp.float32)  # (Q, Q)
             weights = masks.weigh(scores * dt[None, :]).astype(x.dtype)
             y = jnp.dot(weights, x, preferred_element_type=jnp.float32)
@@ -100,13 +100,16 @@ def forward(x, dt, s, b, c, seq, d, z, h0, *, static, blocks, plan, emit="output
     the walks are cut (more programs than walks), else None. emit="states": returns (states,
     final), states (B, num_chunks, H, Pp, Np) in x's dtype (carried in float32), the state
     entering each chunk; given `entries` from the forward (and the forward's `plan`), each
-    program starts from the state it started from there, without sums.
+    program starts from the state it started from there, without sums. emit="final": returns
+    final alone (the walks write nothing else).
     """
     call = scan_call(x, dt, s, b, c, seq, d, z, h0, static=static, blocks=blocks, plan=plan,
                      emit=emit, save_entries=save_entries, entries=entries)
     num_stages = blocks.forward_num_stages if emit == "output" else blocks.num_stages
     (out,) = walks.launch([call], num_warps=blocks.num_warps, num_stages=num_stages,
                           interpret=static.interpret)
+    if emit == "final":
+        return out["final"]
     if emit == "states":
         return out["states"], out["final"]
     return out["y"], out.get("y_pre"), out["final"], out.get("saved_entries")
@@ -136,6 +139,8 @@ def scan_call(x, dt, s, b, c, seq, d, z, h0, *, static, blocks, plan, emit, save
               .add("z", tokens, z if output else None)
               .add("h0", state_spec, h0 if entries is None else None)
               .add("entries", entries_spec, entries))
+    if emit not in ("output", "states", "final"):
+        raise ValueError(f"emit must be output, states or final, got {emit!r}")
     if entries is None and walks.summed(plan, "states")[1] > 0:
         sums = walks.unit_sums(x, dt, s, b, seq, static=static, blocks=blocks, plan=plan,
                                kind="states")
@@ -154,7 +159,8 @@ def scan_call(x, dt, s, b, c, seq, d, z, h0, *, static, blocks, plan, emit, save
     else:
         nc = plan.num_chunks
         (outputs.add("states", pl.BlockSpec((None, nc, None, bp, n_pad), index.chunk_states),
-                     jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), x.dtype))
+                     jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), x.dtype)
+                     if emit == "states" else None)
          .add("final", state_spec, final_shape))
     kernel = functools.partial(_forward_kernel, static=static, blocks=blocks, plan=plan,
                                emit=emit, save_entries=save_entries)

@@ -254,6 +254,30 @@ def test_ssd_matches_unsharded(name, sharding, explicit):
                   [y, final, *grads.values()], names)
 
 
+def test_ssd_second_order_derivatives_match_unsharded():
+    """Grad of grad through the kernels' state passing: their backward's tangents come from the
+    reference's state passing (seq_idx crossing shard edges, h0, z)."""
+    parts = BATCH_SEQUENCE[3]
+    t = 8 * parts
+    args = ssd_cases.make_inputs(seed("second-order", "2x4"), b=2, t=t, h=4, p=8, n=16, g=2)
+    args["seq_idx"] = _sequence_ids(t, parts)
+    ssd = functools.partial(pallas_kernels.mamba_chunk_scan_combined, chunk_size=16,
+                            dt_softplus=True, implementation="pallas")
+
+    def grad_of_grad(x, **extra):
+        def loss(x, dt):
+            y, final = ssd(**dict(args, x=x, dt=dt), return_final_states=True, **extra)
+            return jnp.sum(jnp.sin(y)) + jnp.sum(final**2)
+
+        inner = jax.grad(loss, argnums=(0, 1))
+        return jax.grad(lambda x, dt: sum(jnp.sum(g**2) for g in inner(x, dt)),
+                        argnums=(0, 1))(x, args["dt"])
+
+    want = jax.jit(grad_of_grad)(args["x"])
+    got = _run(grad_of_grad, BATCH_SEQUENCE, True, [args["x"]])
+    _assert_close(got, want, ["d2/dx", "d2/ddt"])
+
+
 def test_ssd_gathers_only_state_sized_arrays():
     named = NamedSharding(mesh(*MESHES["2x4"], explicit=False), P("data", "context"))
     replicated = NamedSharding(named.mesh, P())
