@@ -18,7 +18,7 @@ Two ways to use it:
 * `state_passing` (any op returning (y, final), the reference): the op runs from zero, and a
   state h entering a shard adds, for every token t before the shard's first sequence change,
   y_t += exp(sum_{s <= t} dt'_s A) (C_t . h) * silu(z_t), and m h to the final state; autodiff
-  gives every gradient. One einsum per token and its gradients in XLA: on an H100 they cost as
+  gives every gradient. One einsum per token and its gradients in XLA: on an H200 they cost as
   much as the kernels (benchmarks/NOTES.md).
 """
 
