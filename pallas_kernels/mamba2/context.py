@@ -11,10 +11,11 @@ state-sized, and each chains them in the same order (`enter`): the state enterin
 Two ways to use it:
 
 * `kernel_state_passing` (the kernels): a states-only walk gives F, then the scan runs once from
-  h_i. Its backward is linear in the same way: a walk of the state gradients from the output's
-  cotangent alone gives g_i, the gradient of the state entering shard i; gathered with m, they
-  chain backwards into d_i, the gradient of the state leaving shard i; then the kernels'
-  backward runs once, from d_i. Two extra walks, no (b, T, ...) work in XLA.
+  h_i. Its backward is linear in the same way: the backward's walks run from the output's
+  cotangent alone, and the state gradients' walk gives g_i, the gradient of the state entering
+  shard i; gathered with m, they chain backwards into d_i, the gradient of the state leaving
+  shard i, which the chunk kernels add to each chunk's walked gradient, decayed to the chunk's
+  end. One extra walk (the forward's), no (b, T, ...) work in XLA.
 * `state_passing` (any op returning (y, final), the reference): the op runs from zero, and a
   state h entering a shard adds, for every token t before the shard's first sequence change,
   y_t += exp(sum_{s <= t} dt'_s A) (C_t . h) * silu(z_t), and m h to the final state; autodiff
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _derivatives, _device
-from pallas_kernels.mamba2 import backward, forward, preprocess, reference, semantics, walks
+from pallas_kernels.mamba2 import backward, forward, preprocess, reference, semantics
 
 
 def state_passing(compute, axis_name, parts, x, dt, A, B, C, D, z, dt_bias, initial_states,
@@ -167,26 +168,21 @@ def _passing_bwd(config, axis_name, parts, residuals, cotangents):
 
 def _kernel_passing_gradients(static_args, arrays, computed, cotangents):
     """The gradients of `kernel_state_passing`'s arrays from the kernels (None for seq and
-    edges): g, the walk of the state gradients from dy alone; the chain's transpose; the
-    kernels' backward from the gradient of the state leaving the shard."""
+    edges): the backward's walks from dy alone (the state gradients' walk gives g), the chain's
+    transpose (the gradient of the state leaving the shard), the chunk kernels with it added."""
     config, axis_name, parts = static_args
     static, blocks, plan = config.static, config.blocks, config.plan
-    x, dt, dt_bias, A, B, C, D, z, h0, seq, _ = arrays
+    x, dt, dt_bias, A, B, C, D, z, h0, seq, edges = arrays
     dt_step, s, y_pre, entries, final0, through, entering = computed
     dy, dfinal = cotangents
-    dy_pre, _ = backward.gate_gradients(dy, z, y_pre, x.dtype)
-    (walked,) = walks.launch([backward.state_gradients_call(
-        dy_pre, dt_step, s, C, seq, None, static=static, blocks=blocks,
-        plan=plan.for_backward(), chunk_states=False)], num_warps=blocks.num_warps,
-        num_stages=blocks.num_stages, interpret=static.interpret)
+    residuals = (x, dt, dt_bias, dt_step, s, A, B, C, D, z, entering, seq, y_pre, entries)
+    walked = backward.walk(residuals, dy, None, static=static, blocks=blocks, plan=plan)
     _, chain_vjp = jax.vjp(lambda final0, start: enter(axis_name, parts, final0, through,
-                                                       arrays[-1], start),
+                                                       edges, start),
                            final0, _start(h0, final0))
-    dleaving, dstart = chain_vjp((walked["dh0"], dfinal.astype(final0.dtype)))
-    kernel_residuals = (x, dt, dt_bias, dt_step, s, A, B, C, D, z, entering, seq, y_pre,
-                        entries)
-    grads = backward.gradients(kernel_residuals, dy, dleaving, static=static, blocks=blocks,
-                               plan=plan)
+    leaving, dstart = chain_vjp((walked.dh0, dfinal.astype(final0.dtype)))
+    grads = backward.finish(residuals, walked._replace(leaving=leaving), static=static,
+                            blocks=blocks, plan=plan)
     return (*grads[:-1], None if h0 is None else dstart, None, None)
 
 
