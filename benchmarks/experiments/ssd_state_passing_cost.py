@@ -2,8 +2,9 @@
 for the collectives (all_gather copies the local shard n times; the device is the last along
 the axis, so the entering state is live), for both ways of `pallas_kernels.mamba2.context`:
 the entering state's correction in XLA (`state_passing` over the kernels: cumulative decays,
-C . h, the merge into y) and the kernels' two extra walks (`kernel_state_passing`, what a mesh
-runs: a states-only forward walk, a walk of the state gradients from dy alone).
+C . h, the merge into y) and the kernels' way (`kernel_state_passing`, what a mesh runs: one
+extra walk, a states-only forward walk; the backward's walks from dy alone, the chunk kernels
+adding the leaving state's gradient).
 
     python -m benchmarks.experiments.ssd_state_passing_cost [--parts 2] [--rounds 5]
 
