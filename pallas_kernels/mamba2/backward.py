@@ -10,7 +10,9 @@
 * `chunk_gradients`: one program per (chunk, block of one group's heads, batch row) loops over
   its heads. It computes C B^T once, writes dx and per-token float32 vectors per head (the dt'
   term of dx and the intra-chunk parts of the gradient of the log decay a = dt' A, as
-  dY . y_intra - xbar . dxbar sums, so no (Q, Q) prefix sum is needed).
+  dY . y_intra - xbar . dxbar sums, so no (Q, Q) prefix sum is needed). On a sequence shard
+  (`context`) it and `_state_terms` add the gradient of the state leaving the shard, decayed
+  to each chunk's end, to the walked G (`finish`).
 * `_state_terms`: one program per (chunk, group, batch row) loops over the group's heads for dB
   and dC: it sums the (Q, Q) score gradient over them (C and B are shared by the group, so two
   matmuls per program give the intra-chunk terms) and accumulates the state terms, the
@@ -92,9 +94,9 @@ def _reach(s, seq, block_t):
     """(B, H, nc) float32: the factor by which the gradient of the final state reaches the
     state leaving each chunk, the product of the later chunks' decays (0 past a chunk where a
     sequence starts), as the state-gradient walk passes it on (`ChunkMasks.pass_on`)."""
-    batch, heads, t_pad = s.shape
-    log2_decay = jnp.minimum(s[:, :, block_t - 1::block_t], 0.0)  # (B, H, nc): each chunk's
-    later = jnp.cumsum(log2_decay[..., ::-1], axis=-1)[..., ::-1] - log2_decay  # c' > c
+    t_pad = s.shape[-1]
+    log2_decay = jnp.minimum(s[:, :, block_t - 1::block_t], 0.0)  # (B, H, nc), per chunk
+    later = jnp.cumsum(log2_decay[..., ::-1], axis=-1)[..., ::-1] - log2_decay  # over c' > c
     reach = jnp.exp2(later)
     if seq is None:
         return reach
