@@ -6,13 +6,14 @@ C . h, the merge into y) and the kernels' way (`kernel_state_passing`, what a me
 extra walk, a states-only forward walk; the backward's walks from dy alone, the chunk kernels
 adding the leaving state's gradient).
 
-    python -m benchmarks.experiments.ssd_state_passing_cost [--parts 2] [--rounds 5]
+    python -m benchmarks.experiments.ssd_state_passing_cost [--parts 2] [--rounds 5] [--profile]
 
 Prints the direct call and both paths, forward+backward, amortised ms, at T 4096 N 128 G 1
 chunk 256 (b 4, 80 heads of 64), bf16.
 """
 
 import argparse
+import collections
 import statistics
 
 import jax
@@ -28,6 +29,8 @@ def main():
     parser.add_argument("--parts", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--shape", default="4,4096,80", help="batch,T,heads")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print each kernel's GPU time, direct and walks")
     args = parser.parse_args()
     parts = args.parts
     jax.lax.all_gather = lambda a, axis_name, **_: jnp.stack([a] * parts)  # the stand-ins
@@ -85,6 +88,23 @@ def main():
     print(f"parts {parts}: direct {med['direct']:.3f} ms; " + "; ".join(
         f"{name} {med[name]:.3f} ms ({med[name] / med['direct']:.3f}x)"
         for name in ("correction", "walks")))
+    if args.profile:
+        for name in ("direct", "walks"):
+            _print_kernel_times(name, steps[name], x, dt, B, C, dy)
+
+
+def _print_kernel_times(name, step, *args, calls=5):
+    """The GPU time of each kernel of `step`, by name (XLA fusions summed), per call."""
+    from benchmarks import _profile
+
+    events, _ = _profile.kernel_events(
+        lambda: [jax.block_until_ready(step(*args)) for _ in range(calls)])
+    totals = collections.Counter()
+    for kernel, _, duration in events:
+        totals["XLA fusions and copies" if "fusion" in kernel or "copy" in kernel
+               else kernel] += duration / calls / 1e6
+    print(f"{name}: GPU busy {sum(totals.values()):.3f} ms; " + "; ".join(
+        f"{kernel} {ms:.3f}" for kernel, ms in totals.most_common()))
 
 
 if __name__ == "__main__":
