@@ -3,8 +3,8 @@ for the collectives (all_gather copies the local shard n times; the device is th
 the axis, so the entering state is live), for both ways of `pallas_kernels.mamba2.context`:
 the entering state's correction in XLA (`state_passing` over the kernels: cumulative decays,
 C . h, the merge into y) and the kernels' way (`kernel_state_passing`, what a mesh runs: one
-extra walk, a states-only forward walk; the backward's walks from dy alone, the chunk kernels
-adding the leaving state's gradient).
+extra walk each way: the final state alone before the forward, the gradient of the entering
+state from dy alone before the backward).
 
     python -m benchmarks.experiments.ssd_state_passing_cost [--parts 2] [--rounds 5] [--profile]
 
@@ -94,17 +94,16 @@ def main():
 
 
 def _print_kernel_times(name, step, *args, calls=5):
-    """The GPU time of each kernel of `step`, by name (XLA fusions summed), per call."""
+    """The GPU time of the 10 longest kernels of `step`, by name, per call."""
     from benchmarks import _profile
 
     events, _ = _profile.kernel_events(
         lambda: [jax.block_until_ready(step(*args)) for _ in range(calls)])
     totals = collections.Counter()
     for kernel, _, duration in events:
-        totals["XLA fusions and copies" if "fusion" in kernel or "copy" in kernel
-               else kernel] += duration / calls / 1e6
+        totals[kernel] += duration / calls / 1e6
     print(f"{name}: GPU busy {sum(totals.values()):.3f} ms; " + "; ".join(
-        f"{kernel} {ms:.3f}" for kernel, ms in totals.most_common()))
+        f"{kernel} {ms:.3f}" for kernel, ms in totals.most_common(10)))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@
 * `chunk_gradients`: one program per (chunk, block of one group's heads, batch row) loops over
   its heads. It computes C B^T once, writes dx and per-token float32 vectors per head (the dt'
   term of dx and the intra-chunk parts of the gradient of the log decay a = dt' A, as
-  dY . y_intra - xbar . dxbar sums, so no (Q, Q) prefix sum is needed). On a sequence shard
-  (`context`) it and `_state_terms` add the gradient of the state leaving the shard, decayed
-  to each chunk's end, to the walked G (`finish`).
+  dY . y_intra - xbar . dxbar sums, so no (Q, Q) prefix sum is needed).
 * `_state_terms`: one program per (chunk, group, batch row) loops over the group's heads for dB
   and dC: it sums the (Q, Q) score gradient over them (C and B are shared by the group, so two
   matmuls per program give the intra-chunk terms) and accumulates the state terms, the
@@ -30,7 +28,6 @@ kernels (matmul operands there) are stored in the inputs' dtype, as mamba_ssm st
 """
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,64 +43,17 @@ def gradients(residuals, dy, dfinal, *, static, blocks, plan):
     absent input) from its forward's residuals (x, dt, dt_bias, dt', s, A, B, C, D, z, h0, seq,
     y_pre, entries: see `api`) and the cotangents dy (b, Tp, H, Pp) of y and dfinal
     (b, H, Pp, Np) of the final state."""
-    walked = walk(residuals, dy, dfinal, static=static, blocks=blocks, plan=plan)
-    return finish(residuals, walked, static=static, blocks=blocks, plan=plan)
-
-
-class Walked(NamedTuple):
-    """What the backward's walks give `finish`: dy before the z gate and dz (None without z),
-    the states entering each chunk and the gradients of those leaving it, (B, nc, H, Pp, Np)
-    in x's dtype, and the initial state's gradient dh0 (B, H, Pp, Np) float32. With `leaving`
-    (B, H, Pp, Np) float32, the gradient of the final state was not in the walk: `finish` adds
-    it, decayed to each chunk's end."""
-
-    dy: jax.Array
-    dz: jax.Array | None
-    states: jax.Array
-    gstates: jax.Array
-    dh0: jax.Array
-    leaving: jax.Array | None = None
-
-
-def walk(residuals, dy, dfinal, *, static, blocks, plan):
-    """The z gate's backward and the backward's two walks (`states_and_gradients`), from the
-    cotangents dy and dfinal (or None: zero)."""
-    x, _, _, dt_step, s, _, B, C, _, z, h0, seq, y_pre, entries = residuals
+    x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, y_pre, entries = residuals
     dy, dz = gate_gradients(dy, z, y_pre, x.dtype)
     states, gstates, dh0 = states_and_gradients(
-        x, dy, dt_step, s, B, C, seq, h0, None if dfinal is None else dfinal.astype(jnp.float32),
-        entries, static=static, blocks=blocks, plan=plan)
-    return Walked(dy, dz, states, gstates, dh0)
-
-
-def finish(residuals, walked, *, static, blocks, plan):
-    """`gradients` from the walks' results (`walk`)."""
-    x, dt, dt_bias, dt_step, s, A, B, C, D, z, h0, seq, _, _ = residuals
-    reach = None if walked.leaving is None else _reach(s, seq, blocks.block_t)
+        x, dy, dt_step, s, B, C, seq, h0, dfinal.astype(jnp.float32), entries, static=static,
+        blocks=blocks, plan=plan)
     dx, ddt_x, dlog_decay, dB, dC, dD = chunk_gradients(
-        x, walked.dy, dt_step, s, B, C, seq, D, walked.states, walked.gstates,
-        None if reach is None else (reach, walked.leaving), static=static, blocks=blocks,
-        plan=plan)
+        x, dy, dt_step, s, B, C, seq, D, states, gstates, static=static, blocks=blocks, plan=plan)
     ddt_step = dlog_decay * A[None, :, None] + ddt_x
     dA = jnp.sum(dlog_decay * dt_step, axis=(0, 2))
     ddt, ddt_bias = _step_size_vjp(static, dt, dt_bias, ddt_step)
-    return dx, ddt, ddt_bias, dA, dB, dC, dD, walked.dz, None if h0 is None else walked.dh0
-
-
-def _reach(s, seq, block_t):
-    """(B, H, nc) float32: the factor by which the gradient of the final state reaches the
-    state leaving each chunk, the product of the later chunks' decays (0 past a chunk where a
-    sequence starts), as the state-gradient walk passes it on (`ChunkMasks.pass_on`)."""
-    t_pad = s.shape[-1]
-    log2_decay = jnp.minimum(s[:, :, block_t - 1::block_t], 0.0)  # (B, H, nc), per chunk
-    later = jnp.cumsum(log2_decay[..., ::-1], axis=-1)[..., ::-1] - log2_decay  # over c' > c
-    reach = jnp.exp2(later)
-    if seq is None:
-        return reach
-    starts = seq[:, jnp.maximum(jnp.arange(0, t_pad, block_t) - 1, 0)]
-    breaks = (seq[:, block_t - 1::block_t] != starts).astype(jnp.int32)  # (B, nc)
-    later_breaks = jnp.cumsum(breaks[:, ::-1], axis=-1)[:, ::-1] - breaks
-    return jnp.where((later_breaks == 0)[:, None, :], reach, 0.0)
+    return dx, ddt, ddt_bias, dA, dB, dC, dD, dz, None if h0 is None else dh0
 
 
 def gate_gradients(dy, z, y_pre, dtype):
@@ -137,7 +87,8 @@ def _state_gradients_kernel(program, refs, *, static, block_t, plan):
 
     def chunk(i, grad):
         c = part.first_chunk + part.num_chunks - 1 - i
-        refs.gstates[c] = grad.astype(refs.gstates.dtype)
+        if refs.gstates is not None:
+            refs.gstates[c] = grad.astype(refs.gstates.dtype)
         tok = _device.block_slice(c, block_t)
         dy = refs.dy[tok, :]
         cmat = refs.c[tok, :]
@@ -147,22 +98,33 @@ def _state_gradients_kernel(program, refs, *, static, block_t, plan):
                         preferred_element_type=jnp.float32)  # (P, N)
         return local + masks.pass_on(grad)
 
-    grad = (
-        refs.dfinal[...].astype(jnp.float32)
-        if refs.dfinal is not None
-        else jnp.zeros(refs.dh0.shape, jnp.float32)
-    )
-    if num_units > 1:
-        # The gradient of the state leaving this part: the later units' own gradients passed
-        # back (index j holds unit j + 1).
-        def leave(i, grad):
-            j = num_units - 2 - i
-            return refs.unit_sums[j] + walks.pass_on(refs.unit_decays[j, 0], grad, static)
+    def walk():
+        grad = (
+            refs.dfinal[...].astype(jnp.float32)
+            if refs.dfinal is not None
+            else jnp.zeros(refs.dh0.shape, jnp.float32)
+        )
+        if num_units > 1:
+            # The gradient of the state leaving this part: the later units' own gradients
+            # passed back (index j holds unit j + 1).
+            def leave(i, grad):
+                j = num_units - 2 - i
+                return refs.unit_sums[j] + walks.pass_on(refs.unit_decays[j, 0], grad, static)
 
-        grad = jax.lax.fori_loop(0, num_units - part.end_unit, leave, grad)
-    grad = jax.lax.fori_loop(0, part.num_chunks, chunk, grad)
+            grad = jax.lax.fori_loop(0, num_units - part.end_unit, leave, grad)
+        return jax.lax.fori_loop(0, part.num_chunks, chunk, grad)
 
-    @pl.when(part.first_unit == 0)
+    first = part.first_unit == 0
+    if refs.gstates is None:  # dh0 alone: only the programs walking a walk's first part
+
+        @pl.when(first)
+        def _():
+            refs.dh0[...] = walk()
+
+        return
+    grad = walk()
+
+    @pl.when(first)
     def _():
         refs.dh0[...] = grad
 
@@ -193,9 +155,22 @@ def states_and_gradients(x, dy, dt, s, b, c, seq, h0, dfinal, entries, *, static
     return states["states"], grads["gstates"], grads["dh0"]
 
 
-def state_gradients_call(dy, dt, s, c, seq, dfinal, *, static, blocks, plan):
+def initial_state_gradient(dy, dt, s, c, seq, *, static, blocks, plan):
+    """dh0 (B, H, Pp, Np) float32, the gradient of the state entering the sequence from the
+    pre-gate output's gradient dy alone (the final state's taken as zero): the state gradients'
+    walk without gstates, only its first parts walked (`state_gradients_call`, the backward's
+    cut). A sequence shard's first backward pass (`context`)."""
+    call = state_gradients_call(dy, dt, s, c, seq, None, static=static, blocks=blocks,
+                                plan=plan.for_backward(), write_states=False)
+    (out,) = walks.launch([call], num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+                          interpret=static.interpret)
+    return out["dh0"]
+
+
+def state_gradients_call(dy, dt, s, c, seq, dfinal, *, static, blocks, plan, write_states=True):
     """The `walks.ScanCall` of the state gradients: gstates (B, nc, H, Pp, Np) in dy's dtype,
-    the gradient of the state leaving each chunk, and dh0 (B, H, Pp, Np) float32.
+    the gradient of the state leaving each chunk (not written without `write_states`), and
+    dh0 (B, H, Pp, Np) float32.
 
     dy (B, Tp, H, Pp) is the gradient of the pre-gate output; dt, s (B, H, Tp); c (B, Tp, G, Np);
     seq (B, Tp) or None; dfinal (B, H, Pp, Np) float32 or None.
@@ -218,7 +193,8 @@ def state_gradients_call(dy, dt, s, c, seq, dfinal, *, static, blocks, plan):
         walks.add_unit_sums(inputs, *sums, plan, n_pad, bp, "gradients")
     outputs = (Operands()
                .add("gstates", pl.BlockSpec((None, nc, None, bp, n_pad), index.chunk_states),
-                    jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), dy.dtype))
+                    jax.ShapeDtypeStruct((batch, nc, heads, p_pad, n_pad), dy.dtype)
+                    if write_states else None)
                .add("dh0", state_spec,
                     jax.ShapeDtypeStruct((batch, heads, p_pad, n_pad), jnp.float32)))
     return walks.ScanCall(
@@ -240,7 +216,7 @@ def _chunk_gradients_kernel(refs, *, block_t, heads_per_program):
         dy = refs.dy[:, j, :]
         dt = refs.dt[j, _device.block_slice(c, block_t)]
         masks = common.chunk_masks(c, refs.s, refs.seq, block_t, head=j)
-        grad = _leaving_gradient(refs, j).astype(dtype)  # (P, N)
+        grad = refs.gstates[j].astype(dtype)  # (P, N): gradient of the state leaving it
         x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
         x_bar = (x32 * dt[:, None]).astype(dtype)
         weights = masks.weigh(scores.astype(jnp.float32)).astype(dtype)  # C B^T o L
@@ -265,34 +241,11 @@ def _chunk_gradients_kernel(refs, *, block_t, heads_per_program):
     jax.lax.fori_loop(0, heads_per_program, head, None)
 
 
-def _leaving_gradient(refs, j):
-    """Head j's gradient of the state leaving the program's chunk, (P, N): the walk's (in its
-    dtype), plus, in float32, the final state's gradient decayed to the chunk's end where the
-    walk left it out (refs `reach`, `leaving`: `Walked.leaving`)."""
-    if refs.leaving is None:
-        return refs.gstates[j]
-    return refs.gstates[j].astype(jnp.float32) + refs.reach[j] * refs.leaving[j]
-
-
-def _fold_operands(inputs, fold, hb, index_map):
-    """Adds `fold` (None, or (reach (B, H, nc), leaving (B, H, Pp, Np))) to a chunk kernel's
-    inputs, in blocks of `hb` heads; index_map(ci, k, i) -> (batch row, head block, chunk)."""
-    if fold is None:
-        return inputs
-    reach, leaving = fold
-    p_pad, n_pad = leaving.shape[2:]
-    return (inputs.add("reach", pl.BlockSpec((None, hb, None), index_map), reach)
-            .add("leaving", pl.BlockSpec((None, hb, p_pad, n_pad),
-                                         lambda *g: (*index_map(*g)[:2], 0, 0)), leaving))
-
-
-def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, fold=None, *, static, blocks,
-                    plan):
+def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, *, static, blocks, plan):
     """dx, the per-head float32 vectors (ddt_x, dlog_decay), dB, dC and dD.
 
     x, dy (B, Tp, H, Pp); dt, s (B, H, Tp) float32; b, c (B, Tp, G, Np); seq (B, Tp) or None;
-    d (H, Pp) float32 or None; states, gstates (B, nc, H, Pp, Np); fold: None or the final
-    state's gradient to add to gstates (`_leaving_gradient`). Returns dx (B, Tp, H, Pp)
+    d (H, Pp) float32 or None; states, gstates (B, nc, H, Pp, Np). Returns dx (B, Tp, H, Pp)
     in x's dtype; ddt_x (the dt' term of dx) and dlog_decay (the gradient of a = dt' A)
     (B, H, Tp) float32; db and dc (B, Tp, G, Np) in b's dtype; dd (H, Pp) float32, the sum of
     dY x over the tokens (None without d).
@@ -322,7 +275,6 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, fold=None, *, s
               .add("b", group, b).add("c", group, c).add("gstates", chunk_states, gstates)
               .add("seq", pl.BlockSpec((None, t_pad), lambda ci, k, i: (i, 0)), seq)
               .add("d", pl.BlockSpec((hb, p_pad), lambda ci, k, i: (k, 0)), d))
-    inputs = _fold_operands(inputs, fold, hb, lambda ci, k, i: (i, k, ci))
     per_token = jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32)
     outputs = (Operands().add("dx", tokens, jax.ShapeDtypeStruct(x.shape, x.dtype))
                .add("ddt", per_head_chunk, per_token)
@@ -341,7 +293,7 @@ def chunk_gradients(x, dy, dt, s, b, c, seq, d, states, gstates, fold=None, *, s
     )
     dx, ddt_x, dcumsum, into_state = (out[k] for k in ("dx", "ddt", "dcumsum", "into_state"))
 
-    db, dc, passing, carried = _state_terms(x, dy, dt, s, b, c, seq, states, gstates, fold,
+    db, dc, passing, carried = _state_terms(x, dy, dt, s, b, c, seq, states, gstates,
                                             static=static, blocks=blocks, plan=plan)
 
     # Gradient of the log decay a_t. Within a chunk the decays depend on a only through the
@@ -401,8 +353,7 @@ def _state_terms_kernel(refs, *, block_t):
     def head(j, accs):
         db, dc, dscores = accs
         masks = common.chunk_masks(c, refs.s, refs.seq, block_t, head=j)
-        state = refs.states[j]  # (P, N): entering; the gradient of the leaving one:
-        grad = _leaving_gradient(refs, j).astype(refs.gstates.dtype)
+        state, grad = refs.states[j], refs.gstates[j]  # (P, N): entering, gradient of leaving
         dt = refs.dt[j, _device.block_slice(c, block_t)]
         x32 = refs.x[:, j, :].astype(jnp.float32)
         dy = refs.dy[:, j, :]
@@ -442,7 +393,7 @@ def _state_terms_kernel(refs, *, block_t):
     refs.dc[...] = dc.astype(refs.dc.dtype)
 
 
-def _state_terms(x, dy, dt, s, b, c, seq, states, gstates, fold, *, static, blocks, plan):
+def _state_terms(x, dy, dt, s, b, c, seq, states, gstates, *, static, blocks, plan):
     """(db, dc, passing, carried): dB and dC (B, Tp, G, Np) in b's dtype, and the log-decay
     gradient's terms through the states, float32: passing (B, H, nc), exp(s_last) <G, H> per
     chunk (the gradient of each of the chunk's log-decays through the state passed on), and
@@ -453,9 +404,9 @@ def _state_terms(x, dy, dt, s, b, c, seq, states, gstates, fold, *, static, bloc
     head-summed score gradient dS = sum_h L_h o (dY_h xbar_h^T), and the state terms
     sum_{h, p} xbar to_end G (dB) and dY from_start H (dC). x, dy (B, Tp, H, Pp); b, c
     (B, Tp, G, Np); states H and gstates G (B, nc, H, Pp, Np). One program per (chunk, group,
-    batch row) loops over the group's heads (`fold` as for `chunk_gradients`). It loads H and G
-    anyway, so the log-decay terms cost no extra read here (the state-gradient walk would have
-    to read H for <G, H>, and the chunk kernel, short of registers, H for C H^T).
+    batch row) loops over the group's heads. It loads H and G anyway, so the log-decay terms cost
+    no extra read here (the state-gradient walk would have to read H for <G, H>, and the chunk
+    kernel, short of registers, H for C H^T).
     """
     batch, t_pad, heads, p_pad = x.shape
     groups, n_pad = b.shape[2], b.shape[3]
@@ -470,7 +421,6 @@ def _state_terms(x, dy, dt, s, b, c, seq, states, gstates, fold, *, static, bloc
               .add("b", group_tokens, b).add("c", group_tokens, c)
               .add("states", chunk_states, states).add("gstates", chunk_states, gstates)
               .add("seq", pl.BlockSpec((None, t_pad), lambda ci, g, i: (i, 0)), seq))
-    inputs = _fold_operands(inputs, fold, hpg, lambda ci, g, i: (i, g, ci))
     outputs = (Operands()
                .add("db", group_tokens, jax.ShapeDtypeStruct(b.shape, b.dtype))
                .add("dc", group_tokens, jax.ShapeDtypeStruct(b.shape, b.dtype))

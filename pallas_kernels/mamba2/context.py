@@ -11,11 +11,11 @@ state-sized, and each chains them in the same order (`enter`): the state enterin
 Two ways to use it:
 
 * `kernel_state_passing` (the kernels): a states-only walk gives F, then the scan runs once from
-  h_i. Its backward is linear in the same way: the backward's walks run from the output's
-  cotangent alone, and the state gradients' walk gives g_i, the gradient of the state entering
-  shard i; gathered with m, they chain backwards into d_i, the gradient of the state leaving
-  shard i, which the chunk kernels add to each chunk's walked gradient, decayed to the chunk's
-  end. One extra walk (the forward's), no (b, T, ...) work in XLA.
+  h_i. Its backward is linear in the same way: a walk of the state gradients from the output's
+  cotangent alone gives g_i, the gradient of the state entering shard i; gathered with m, they
+  chain backwards into d_i, the gradient of the state leaving shard i, and the backward runs
+  once from it. Two extra walks of one matmul a chunk, each only the parts that reach the
+  state it gives (the forward's last, the backward's first); no (b, T, ...) work in XLA.
 * `state_passing` (any op returning (y, final), the reference): the op runs from zero, and a
   state h entering a shard adds, for every token t before the shard's first sequence change,
   y_t += exp(sum_{s <= t} dt'_s A) (C_t . h) * silu(z_t), and m h to the final state; autodiff
@@ -168,21 +168,23 @@ def _passing_bwd(config, axis_name, parts, residuals, cotangents):
 
 def _kernel_passing_gradients(static_args, arrays, computed, cotangents):
     """The gradients of `kernel_state_passing`'s arrays from the kernels (None for seq and
-    edges): the backward's walks from dy alone (the state gradients' walk gives g), the chain's
-    transpose (the gradient of the state leaving the shard), the chunk kernels with it added."""
+    edges): the gradient of the state entering the shard from dy alone (g, a walk of first
+    parts), the chain's transpose (d, the gradient of the state leaving the shard), then the
+    backward from dy and d."""
     config, axis_name, parts = static_args
     static, blocks, plan = config.static, config.blocks, config.plan
     x, dt, dt_bias, A, B, C, D, z, h0, seq, edges = arrays
     dt_step, s, y_pre, entries, final0, through, entering = computed
     dy, dfinal = cotangents
-    residuals = (x, dt, dt_bias, dt_step, s, A, B, C, D, z, entering, seq, y_pre, entries)
-    walked = backward.walk(residuals, dy, None, static=static, blocks=blocks, plan=plan)
+    dy_pre, _ = backward.gate_gradients(dy, z, y_pre, x.dtype)  # CSE'd with the backward's
+    entering_gradient = backward.initial_state_gradient(dy_pre, dt_step, s, C, seq,
+                                                        static=static, blocks=blocks, plan=plan)
     _, chain_vjp = jax.vjp(lambda final0, start: enter(axis_name, parts, final0, through,
                                                        edges, start),
                            final0, _start(h0, final0))
-    leaving, dstart = chain_vjp((walked.dh0, dfinal.astype(final0.dtype)))
-    grads = backward.finish(residuals, walked._replace(leaving=leaving), static=static,
-                            blocks=blocks, plan=plan)
+    leaving, dstart = chain_vjp((entering_gradient, dfinal.astype(final0.dtype)))
+    residuals = (x, dt, dt_bias, dt_step, s, A, B, C, D, z, entering, seq, y_pre, entries)
+    grads = backward.gradients(residuals, dy, leaving, static=static, blocks=blocks, plan=plan)
     return (*grads[:-1], None if h0 is None else dstart, None, None)
 
 

@@ -10,7 +10,8 @@ Q tokens it computes
 where s is the in-chunk inclusive cumsum of a = dt * A and L[l, j] = exp(min(s_l - s_j, 0)) for
 j <= l (the kernels hold s in base 2: `common.chunk_log2_decays`). Chunk states never leave the
 program; the backward's recompute pass asks the same kernel to write the state entering each
-chunk instead of the output (`emit="states"`).
+chunk instead of the output (`emit="states"`), and a sequence shard's first pass (`context`)
+for the final state alone (`emit="final"`: only the programs walking a walk's last part run).
 
 Walks can be cut into parts walked in parallel, and the first parts that would run in a last,
 partial round into shorter units (`schedule.forward_schedule` picks the cut, `walks` numbers the
@@ -63,24 +64,34 @@ def _forward_kernel(program, refs, *, static, blocks, plan, emit, save_entries):
                               preferred_element_type=jnp.float32)  # (P, N)
         return masks.pass_on(state) + chunk_state
 
-    if refs.entries is not None:  # the state this program started from in the forward
-        state = refs.entries[...]
-    elif refs.h0 is not None:
-        state = refs.h0[...].astype(jnp.float32)
-    else:
-        state = jnp.zeros(refs.final.shape, jnp.float32)
-    if refs.unit_sums is not None:
-        # The state entering this part: the earlier units' own states passed along.
-        def enter(j, state):
-            return walks.pass_on(refs.unit_decays[j, 0], state, static) + refs.unit_sums[j]
+    def walk():
+        if refs.entries is not None:  # the state this program started from in the forward
+            state = refs.entries[...]
+        elif refs.h0 is not None:
+            state = refs.h0[...].astype(jnp.float32)
+        else:
+            state = jnp.zeros(refs.final.shape, jnp.float32)
+        if refs.unit_sums is not None:
+            # The state entering this part: the earlier units' own states passed along.
+            def enter(j, state):
+                return walks.pass_on(refs.unit_decays[j, 0], state, static) + refs.unit_sums[j]
 
-        state = jax.lax.fori_loop(0, part.first_unit, enter, state)
-    if save_entries:
-        refs.saved_entries[...] = state
+            state = jax.lax.fori_loop(0, part.first_unit, enter, state)
+        if save_entries:
+            refs.saved_entries[...] = state
+        return jax.lax.fori_loop(0, part.num_chunks, chunk, state)
 
-    state = jax.lax.fori_loop(0, part.num_chunks, chunk, state)
+    last = part.end_unit == plan.schedule.num_units
+    if emit == "final":  # only the programs walking a walk's last part have work
 
-    @pl.when(part.end_unit == plan.schedule.num_units)
+        @pl.when(last)
+        def _():
+            refs.final[...] = walk()
+
+        return
+    state = walk()
+
+    @pl.when(last)
     def _():
         refs.final[...] = state
 
