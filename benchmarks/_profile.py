@@ -3,6 +3,7 @@ what a step launches and how long each kernel runs."""
 
 import collections
 import glob
+import itertools
 import os
 import re
 import tempfile
@@ -15,6 +16,12 @@ def kernel_events(call):
     event on the GPU planes' stream lines, sorted by start; the trace's planes and lines with
     their event counts). Without CUPTI the trace has no GPU plane: the events are empty and
     the planes say what the trace held."""
+    by_device, planes = device_kernel_events(call)
+    return sorted(itertools.chain(*by_device.values()), key=lambda e: e[1]), planes
+
+
+def device_kernel_events(call):
+    """`kernel_events` per GPU: ({GPU plane name: its events, sorted by start}, planes)."""
     from jax._src.lib import _profile_data
 
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -25,16 +32,50 @@ def kernel_events(call):
             jax.profiler.stop_trace()
         path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
         data = _profile_data.ProfileData.from_file(path)
-    events, planes = [], {}
+    by_device, planes = {}, {}
     for plane in data.planes:
         planes[plane.name] = {line.name: len(list(line.events)) for line in plane.lines}
         if not plane.name.startswith("/device:GPU"):
             continue
+        events = by_device.setdefault(plane.name, [])
         for line in plane.lines:
             if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
                 continue
             events += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
-    return sorted(events, key=lambda e: e[1]), planes
+        events.sort(key=lambda e: e[1])
+    return by_device, planes
+
+
+_COLLECTIVE = re.compile(r"nccl|rccl", re.IGNORECASE)  # NCCL's and RCCL's kernels
+
+
+def collective_overlap(events):
+    """(ns of collective kernels, ns of those during which another kernel ran) in one device's
+    events (name, start_ns, duration_ns): how much of the communication hides behind compute."""
+    collective, compute = [], []
+    for name, start, duration in events:
+        (collective if _COLLECTIVE.search(name) else compute).append((start, start + duration))
+    collective, compute = _union(collective), _union(compute)
+    overlapped, j = 0, 0
+    for start, end in collective:  # both lists sorted and disjoint
+        while j < len(compute) and compute[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < end:
+            overlapped += min(end, compute[k][1]) - max(start, compute[k][0])
+            k += 1
+    return sum(end - start for start, end in collective), overlapped
+
+
+def _union(intervals):
+    """Sorted, disjoint (start, end) covering the same time as `intervals`."""
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def kernel_span_seconds(fn, *args, calls=20):
