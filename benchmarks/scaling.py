@@ -61,23 +61,26 @@ def _mesh(n, names=("context",)):
 
 @dataclasses.dataclass
 class Step:
-    """A jitted forward and backward, its arguments and the mesh to trace it under."""
+    """A jitted step, its arguments and the mesh to trace it under; compiled once, at the
+    first call, for the calls and the memory analysis both."""
 
     fn: object
     args: list
     mesh: object = None
+    compiled: object = None
 
-    def _context(self):
-        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+    def _compile(self):
+        if self.compiled is None:
+            with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+                self.compiled = self.fn.lower(*self.args).compile()
+        return self.compiled
 
     def __call__(self):
-        with self._context():
-            return self.fn(*self.args)
+        return self._compile()(*self.args)
 
     def bytes_per_device(self):
         """Arguments, outputs and temporaries of the compiled step (one device's), or None."""
-        with self._context():
-            analysis = self.fn.lower(*self.args).compile().memory_analysis()
+        analysis = self._compile().memory_analysis()
         if analysis is None:
             return None
         return int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
