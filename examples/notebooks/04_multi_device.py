@@ -165,10 +165,13 @@ for strategy in ("all_gather", "ring"):
     assert max(errors) < 1e-5
 
 # %% [markdown]
-# The SSD needs its shards in order (contiguous). Each device scans its shard from a zero
-# state; the devices all-gather only their final states and decays, chain them, and each adds
-# the contribution of the state entering its shard, a state-sized correction. `seq_idx`
-# boundaries cut the carried state as they do within a row.
+# The SSD needs its shards in order (contiguous). Each device first walks its shard's states
+# from a zero state (no outputs); the devices all-gather only those final states and decays,
+# chain them, and each runs the kernels once from the state entering its shard. The backward
+# mirrors it: a walk from the output's gradient gives the gradient at each shard's start, the
+# chain carries it back, and each device's backward runs once from the gradient of the state
+# leaving its shard. On one GPU this costs 1.04-1.12x of the unsharded call on the same tokens
+# (`benchmarks/REPORT.md`). `seq_idx` boundaries cut the carried state as they do within a row.
 
 # %%
 h, p, N = 4, 16, 16
