@@ -1,9 +1,9 @@
 """Scaling of the ops over the local devices: the sharded path's cost at n = 1 and context
 parallelism's strong scaling, on every device count from 1 to the machine's (or `--devices`).
 
-Four sections, each timed amortised (10 calls, one sync; a call longer than half a second
-alone; medians over `--rounds` rounds whose order alternates); the first three time a forward
-and backward (jax.vjp):
+Four sections, each timed amortised (batches of back-to-back calls, one sync each; a call
+longer than half a second alone; medians over `--rounds` rounds whose order alternates); the
+first three time a forward and backward (jax.vjp):
 
 * overhead (one device): the direct call against the same call through the sharded path on a
   one-device mesh: batch sharded (shard_map only) and sequence sharded (context parallelism:
@@ -135,25 +135,33 @@ def _ssd_step(batch, t, *, implementation, mesh=None, spec=None):
 
 
 LONG_CALL_S = 0.5  # timed one call at a time, in at most 3 rounds: dispatch is noise there
+BATCH_S = 0.2  # shorter calls: batches of back-to-back calls of about this long
 
 
 def _time(steps, rounds):
     """({name: median ms}, {name: [ms per round]}) of `Step`s timed in rounds alternating
-    their order."""
-    long = {}
+    their order (`_seconds`)."""
+    first = {}
     for name, step in steps.items():
         jax.block_until_ready(step())  # compiles
-        start = time.perf_counter()
-        jax.block_until_ready(step())
-        long[name] = time.perf_counter() - start > LONG_CALL_S
-    if all(long.values()):
+        first[name] = _call_seconds(step)
+    if all(s > LONG_CALL_S for s in first.values()):
         rounds = min(rounds, 3)
     times = {name: [] for name in steps}
     for r in range(rounds):
         for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
-            times[name].append(1e3 * (_call_seconds(steps[name]) if long[name]
-                                      else _timing.amortised_seconds(steps[name])))
+            times[name].append(1e3 * _seconds(steps[name], first[name]))
     return {name: statistics.median(ms) for name, ms in times.items()}, times
+
+
+def _seconds(step, first_call_s):
+    """One round's seconds per call: a single call past LONG_CALL_S, else amortised over
+    batches of up to 10 calls about BATCH_S long (7 batches of 10, 3 of fewer), so that a
+    train step of 0.4 s costs a round about 2 s, not 30."""
+    if first_call_s > LONG_CALL_S:
+        return _call_seconds(step)
+    calls = max(1, min(10, int(BATCH_S / first_call_s)))
+    return _timing.amortised_seconds(step, calls=calls, repeats=7 if calls == 10 else 3)
 
 
 def _call_seconds(step):

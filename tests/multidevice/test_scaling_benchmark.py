@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multidevice
 
 
 def test_every_section_runs_and_reports_its_columns(tmp_path, monkeypatch):
-    monkeypatch.setattr(scaling, "LONG_CALL_S", 0.0)  # one call a round: this times nothing
+    monkeypatch.setattr(scaling, "BATCH_S", 1e-9)  # batches of one call: this times nothing
     scaling.main(["--implementation", "xla", "--devices", "2", "--sections",
                   "attention,ssd,train", "--attention-lengths", "128", "--ssd-lengths", "512",
                   "--train-preset", "tiny", "--train-batch", "2", "--train-seq-len", "32",
