@@ -18,8 +18,8 @@ first three time a forward and backward (jax.vjp):
   devices; the same columns.
 * train: weak scaling of the HybridLM train step (the zamba2-1.2b preset, bf16, AdamW,
   next-token loss), `--train-batch` rows of `--train-seq-len` tokens per device on n devices,
-  data parallel, and fully sharded (fsdp) from 2 devices; the same columns, memory against one
-  device's (weak scaling).
+  data parallel, and fully sharded (fsdp) at the most devices; the same columns, memory
+  against one device's (weak scaling).
 
 With `--profile`, each variant at the most devices also runs under `jax.profiler`: the time of
 its collective (NCCL/RCCL) kernels per call and the share of it during which other kernels ran
@@ -297,10 +297,11 @@ def _train_step(n, preset, batch, seq_len, implementation, axis="data"):
 
 def train(devices, rounds, preset, batch, seq_len, implementation, profile):
     """Yields weak scaling's rows: the same batch rows per device on 1, 2, 4, ... devices, data
-    parallel, and fully sharded from 2 devices."""
+    parallel, and fully sharded at the most devices (each step compiles for about a minute
+    at the zamba2-1.2b shape: five fit one 10-minute device call)."""
     base = base_bytes = None
     for n in devices:
-        for axis in ("data", "fsdp") if n > 1 else ("data",):
+        for axis in ("data", "fsdp") if n == devices[-1] > 1 else ("data",):
             step = _train_step(n, preset, batch, seq_len, implementation, axis)
             ms = _time({"step": step}, rounds)[0]["step"]
             memory = step.bytes_per_device()
