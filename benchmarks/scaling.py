@@ -223,35 +223,54 @@ def overhead(rounds, implementation):
 
 def _strong_scaling(section, make, lengths, variants, devices, rounds, profile):
     """Yields the rows of one section: per T, the direct call on one device, then each variant
-    on each device count (profiled at the most devices where `profile`)."""
+    on each device count (profiled at the most devices where `profile`). A step that fails
+    (out of memory, say) is a row with its error; each step's arrays are freed before the
+    next is built."""
     for t in lengths:
         base = base_bytes = None
         try:
-            direct = make(t)
-            base = _time({"direct": direct}, rounds)[0]["direct"]
-            base_bytes = direct.bytes_per_device()
+            base, base_bytes = _measure(make(t), rounds)
         except Exception as error:  # noqa: BLE001 - too large for one device is a result
-            print(f"{section} T{t}: one device failed: {type(error).__name__}", flush=True)
+            print(f"{section} T{t}: one device failed: {_error(error)}", flush=True)
         for n in devices:
             if t % (2 * n):
                 continue
             for name, options in variants.items():
-                step = make(t, mesh=_mesh(n), spec=P(None, "context"), **options)
-                ms = _time({name: step}, rounds)[0][name]
+                row = dict(section=section, seq_len=t, devices=n, variant=name)
+                try:
+                    ms, memory, communication = _measure(
+                        make(t, mesh=_mesh(n), spec=P(None, "context"), **options), rounds,
+                        profile=profile and n == devices[-1])
+                except Exception as error:  # noqa: BLE001 - a failure is a result
+                    print(f"{section:9s} T{t:<7d} n{n} {name:24s} failed: {_error(error)}",
+                          flush=True)
+                    yield dict(row, error=_error(error))
+                    continue
                 tokens = t / (ms / 1e3)
-                memory = step.bytes_per_device()
-                row = dict(section=section, seq_len=t, devices=n, variant=name, ms=ms,
-                           tokens_per_s=tokens, one_device_ms=base,
-                           ideal_tokens_per_s=None if base is None else n * t / (base / 1e3),
-                           efficiency=None if base is None else base / (n * ms),
-                           bytes_per_device=memory, one_device_bytes=base_bytes,
-                           memory_ratio=_memory_ratio(memory, base_bytes, n),
-                           communication=_communication(step) if profile and n == devices[-1]
-                           else None)
+                row |= dict(ms=ms, tokens_per_s=tokens, one_device_ms=base,
+                            ideal_tokens_per_s=None if base is None else n * t / (base / 1e3),
+                            efficiency=None if base is None else base / (n * ms),
+                            bytes_per_device=memory, one_device_bytes=base_bytes,
+                            memory_ratio=_memory_ratio(memory, base_bytes, n),
+                            communication=communication)
                 print(f"{section:9s} T{t:<7d} n{n} {name:24s} {ms:9.3f} ms "
                       f"{tokens / 1e6:8.3f} Mtok/s  efficiency "
                       f"{'-' if base is None else f'{row['efficiency']:.3f}'}", flush=True)
                 yield row
+
+
+def _measure(step, rounds, profile=None):
+    """(median ms, compiled bytes per device) of a `Step`, and with `profile` (True or False)
+    also its `_communication` (None unless True)."""
+    ms = _time({"step": step}, rounds)[0]["step"]
+    memory = step.bytes_per_device()
+    if profile is None:
+        return ms, memory
+    return ms, memory, _communication(step) if profile else None
+
+
+def _error(error):
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
 
 def attention(devices, rounds, lengths, implementation, profile):
@@ -298,38 +317,47 @@ def _train_step(n, preset, batch, seq_len, implementation, axis="data"):
 def train(devices, rounds, preset, batch, seq_len, implementation, profile):
     """Yields weak scaling's rows: the same batch rows per device on 1, 2, 4, ... devices, data
     parallel, and fully sharded at the most devices (each step compiles for about a minute
-    at the zamba2-1.2b shape: five fit one 10-minute device call)."""
+    at the zamba2-1.2b shape: five fit one 10-minute device call). A failure is a row with its
+    error."""
     base = base_bytes = None
     for n in devices:
         for axis in ("data", "fsdp") if n == devices[-1] > 1 else ("data",):
-            step = _train_step(n, preset, batch, seq_len, implementation, axis)
-            ms = _time({"step": step}, rounds)[0]["step"]
-            memory = step.bytes_per_device()
+            row = dict(section="train", seq_len=seq_len, devices=n,
+                       variant=f"{preset} {'data parallel' if axis == 'data' else 'fsdp'}, "
+                               f"{batch} x {seq_len} per device")
+            try:
+                ms, memory, communication = _measure(
+                    _train_step(n, preset, batch, seq_len, implementation, axis), rounds,
+                    profile=profile and n == devices[-1])
+            except Exception as error:  # noqa: BLE001 - a failure is a result
+                print(f"train     {preset} {axis} n{n} failed: {_error(error)}", flush=True)
+                yield dict(row, error=_error(error))
+                continue
             if n == 1:
                 base, base_bytes = ms, memory
             tokens = n * batch * seq_len / (ms / 1e3)
+            efficiency = None if base is None else base / ms
             print(f"train     {preset} {axis} n{n} {ms:9.3f} ms {tokens / 1e6:8.3f} Mtok/s  "
-                  f"efficiency {base / ms:.3f}", flush=True)
-            yield dict(section="train", seq_len=seq_len, devices=n,
-                       variant=f"{preset} {'data parallel' if axis == 'data' else 'fsdp'}, "
-                               f"{batch} x {seq_len} per device",
-                       ms=ms, tokens_per_s=tokens, one_device_ms=base,
-                       ideal_tokens_per_s=n * batch * seq_len / (base / 1e3),
-                       efficiency=base / ms, bytes_per_device=memory,
-                       one_device_bytes=base_bytes, memory_ratio=None if n == 1 or not memory
-                       or not base_bytes else memory / base_bytes,
-                       communication=_communication(step) if profile and n == devices[-1]
-                       else None)
+                  f"efficiency {'-' if efficiency is None else f'{efficiency:.3f}'}",
+                  flush=True)
+            yield row | dict(
+                ms=ms, tokens_per_s=tokens, one_device_ms=base,
+                ideal_tokens_per_s=None if base is None else n * batch * seq_len / (base / 1e3),
+                efficiency=efficiency, bytes_per_device=memory, one_device_bytes=base_bytes,
+                memory_ratio=None if n == 1 or not memory or not base_bytes
+                else memory / base_bytes,
+                communication=communication)
 
 
 def _plot(path, rows):
     """One panel per (section, T): tokens/s against devices, a line per variant, and the
-    ideal n x one device's direct call, dashed."""
+    ideal n x one device's direct call, dashed (failed steps left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "error" not in r]
     panels = sorted({(r["section"], r["seq_len"]) for r in rows})
     if not panels:
         return
@@ -415,6 +443,10 @@ def main(argv=None):
           "memory ratio | collectives ms (overlapped) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['section']} | {r['seq_len']} | {r['devices']} | {r['variant']} | "
+                  f"failed: {r['error']} |")
+            continue
         eff = "-" if r["efficiency"] is None else f"{r['efficiency']:.3f}"
         gib = "-" if r["bytes_per_device"] is None else f"{r['bytes_per_device'] / 2**30:.2f}"
         ratio = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}"

@@ -8,6 +8,7 @@ Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (`.ci/run` does).
 """
 
 import collections
+import dataclasses
 import functools
 import re
 
@@ -26,6 +27,9 @@ from numerics import rel_error
 import pallas_kernels
 from pallas_kernels import _compat, _sharding
 from pallas_kernels.attention import masking
+from pallas_kernels.mamba2 import reference, tuning, walks
+from pallas_kernels.mamba2 import schedule as scheduling
+from pallas_kernels.mamba2.schedule import Schedule
 
 pytestmark = pytest.mark.multidevice
 
@@ -252,6 +256,45 @@ def test_ssd_matches_unsharded(name, sharding, explicit):
     names = ["y", "final_states", *grads]
     _assert_close([y_got, final_got, *(grads_got[n] for n in grads)],
                   [y, final, *grads.values()], names)
+
+
+@pytest.mark.parametrize("schedule, seq_idx", [(Schedule(10, 5, 3), False),
+                                               (Schedule(5, 1, 0), True)],
+                         ids=["halves-split", "five-parts-seq-idx"])
+def test_ssd_cut_walks_match_recurrence(schedule, seq_idx, monkeypatch):
+    """The kernels' state passing with every shard's walks cut (forced, as in the mamba2
+    suite's test_cut_walks_match_recurrence): the final-state walk runs only the programs of
+    each walk's last part, entering through unit sums (split walks too); the entering state's
+    gradient walk only those of its first part, from the later units' sums (the backward's walks
+    in 5 units). Against the token-by-token recurrence on the whole sequence."""
+    parts, shard = BATCH_SEQUENCE[3], 150  # 10 chunks of 16 a shard (the last one padded)
+    table = tuning.blocks_for
+    monkeypatch.setattr(tuning, "blocks_for", lambda kind, n: dataclasses.replace(
+        table(kind, n), scan_programs=10**6, min_segment_chunks=2,
+        backward_segment_walks_below=10**6))
+    monkeypatch.setattr(scheduling, "forward_schedule", lambda *a: schedule)
+    calls = []
+    unit_sums = walks.unit_sums
+    monkeypatch.setattr(walks, "unit_sums",
+                        lambda *a, plan, kind, **kw: calls.append((kind, plan.schedule))
+                        or unit_sums(*a, plan=plan, kind=kind, **kw))
+    args = ssd_cases.make_inputs(seed("cut-walks", str(schedule)), b=2, t=parts * shard, h=4,
+                                 p=8, n=16, g=2)
+    if seq_idx:
+        args["seq_idx"] = _sequence_ids(parts * shard, parts)
+    kw = dict(chunk_size=16, dt_softplus=True)
+    (y, final), grads = ssd_cases.loss_and_grads(reference.ssd_recurrence, args, **kw)
+    ssd = functools.partial(pallas_kernels.mamba_chunk_scan_combined, implementation="pallas",
+                            **kw)
+
+    def sharded(x):
+        return ssd_cases.loss_and_grads(ssd, dict(args, x=x))
+
+    (y_got, final_got), grads_got = _run(sharded, BATCH_SEQUENCE, True, [args["x"]])
+    assert ("states", schedule) in calls and ("gradients", Schedule(5, 1, 0)) in calls
+    for name, got, want in [("y", y_got, y), ("final", final_got, final),
+                            *((n, grads_got[n], g) for n, g in grads.items())]:
+        assert rel_error(got, want) < 5e-5, name
 
 
 def test_ssd_second_order_derivatives_match_unsharded():

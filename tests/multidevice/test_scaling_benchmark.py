@@ -35,3 +35,24 @@ def test_every_section_runs_and_reports_its_columns(tmp_path, monkeypatch):
         if r["devices"] == 2:
             assert r["memory_ratio"] > 0
     assert (tmp_path / "scaling_smoke.png").stat().st_size > 0
+
+
+def test_a_failing_step_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
+    """Out of memory on the sharded steps (say): rows with the error, the direct call's
+    measured, the run finished."""
+    ssd_step = scaling._ssd_step
+
+    def failing(*args, mesh=None, **kw):
+        if mesh is not None:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return ssd_step(*args, mesh=mesh, **kw)
+
+    monkeypatch.setattr(scaling, "_ssd_step", failing)
+    monkeypatch.setattr(scaling, "BATCH_S", 1e-9)
+    scaling.main(["--implementation", "xla", "--devices", "2", "--sections", "ssd",
+                  "--ssd-lengths", "512", "--rounds", "1", "--tag", "oom",
+                  "--out-dir", str(tmp_path)])
+    rows = json.loads((tmp_path / "scaling_oom.json").read_text())["scaling"]
+    assert [(r["devices"], r["error"]) for r in rows] == [
+        (n, "RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        for n in (1, 2)]
