@@ -7,13 +7,19 @@ extra walk each way: the final state alone before the forward, the gradient of t
 state from dy alone before the backward).
 
     python -m benchmarks.experiments.ssd_state_passing_cost [--parts 2] [--rounds 5] [--profile]
+        [--json benchmarks/results/NAME.json]
+    python -m benchmarks.experiments.ssd_state_passing_cost --plot benchmarks/results/NAME.json
 
 Prints the direct call and both paths, forward+backward, amortised ms, at T 4096 N 128 G 1
-chunk 256 (b 4, 80 heads of 64), bf16.
+chunk 256 (b 4, 80 heads of 64), bf16; `--json` adds the run as a record to a results file,
+`--plot` draws a file's records (each path against the direct call) as NAME.png.
 """
 
 import argparse
 import collections
+import json
+import os
+import pathlib
 import statistics
 
 import jax
@@ -31,7 +37,12 @@ def main():
     parser.add_argument("--shape", default="4,4096,80", help="batch,T,heads")
     parser.add_argument("--profile", action="store_true",
                         help="also print each kernel's GPU time, direct and walks")
+    parser.add_argument("--json", help="a results file to add this run's record to")
+    parser.add_argument("--plot", help="draw this results file's records (no run)")
     args = parser.parse_args()
+    if args.plot:
+        plot(args.plot)
+        return
     parts = args.parts
     jax.lax.all_gather = lambda a, axis_name, **_: jnp.stack([a] * parts)  # the stand-ins
     jax.lax.axis_index = lambda axis_name: jnp.int32(parts - 1)
@@ -88,13 +99,50 @@ def main():
     print(f"parts {parts}: direct {med['direct']:.3f} ms; " + "; ".join(
         f"{name} {med[name]:.3f} ms ({med[name] / med['direct']:.3f}x)"
         for name in ("correction", "walks")))
-    if args.profile:
-        for name in ("direct", "walks"):
-            _print_kernel_times(name, steps[name], x, dt, B, C, dy)
+    kernels = ({name: _print_kernel_times(name, steps[name], x, dt, B, C, dy)
+                for name in ("direct", "walks")} if args.profile else None)
+    if args.json:
+        payload = (json.loads(pathlib.Path(args.json).read_text()) if os.path.exists(args.json) else
+                   dict(environment=_timing.environment_info(
+                       "benchmarks.experiments.ssd_state_passing_cost"), records=[]))
+        payload["records"].append(dict(
+            parts=parts, batch=b, seq_len=t, heads=h, rounds=args.rounds,
+            direct_ms=med["direct"], correction_ms=med["correction"], walks_ms=med["walks"],
+            agreement=agree, kernels_ms=kernels))
+        _timing.write_json(args.json, payload)
+
+
+def plot(path):
+    """path's records as bars, each path's time against the direct call's, beside NAME.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = json.loads(pathlib.Path(path).read_text())["records"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.38
+    for i, (name, color) in enumerate((("correction", "tab:gray"), ("walks", "tab:blue"))):
+        ratios = [r[f"{name}_ms"] / r["direct_ms"] for r in records]
+        bars = ax.bar([k + (i - 0.5) * width for k in range(len(records))], ratios, width,
+                      color=color, label="XLA correction" if name == "correction"
+                      else "kernels' state passing")
+        ax.bar_label(bars, fmt="%.3fx", fontsize=8)
+    ax.axhline(1.0, color="k", lw=1, ls="--", label="direct call")
+    ax.set_xticks(range(len(records)), [f"b {r['batch']} x T {r['seq_len']}\n{r['parts']} parts"
+                                        for r in records])
+    ax.set_ylabel("time / direct call (fwd+bwd)")
+    ax.set_title("SSD state passing on one device (collectives stood in)", fontsize=10)
+    ax.set_ylim(0, 1.25 * max(r["correction_ms"] / r["direct_ms"] for r in records))
+    ax.legend(fontsize=8, ncol=3, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(os.path.splitext(path)[0] + ".png", dpi=120)
+    plt.close(fig)
 
 
 def _print_kernel_times(name, step, *args, calls=5):
-    """The GPU time of the 10 longest kernels of `step`, by name, per call."""
+    """The GPU time of the 10 longest kernels of `step`, by name, per call (printed, and
+    returned as {kernel: ms})."""
     from benchmarks import _profile
 
     events, _ = _profile.kernel_events(
@@ -102,8 +150,10 @@ def _print_kernel_times(name, step, *args, calls=5):
     totals = collections.Counter()
     for kernel, _, duration in events:
         totals[kernel] += duration / calls / 1e6
+    top = dict(totals.most_common(10))
     print(f"{name}: GPU busy {sum(totals.values()):.3f} ms; " + "; ".join(
-        f"{kernel} {ms:.3f}" for kernel, ms in totals.most_common(10)))
+        f"{kernel} {ms:.3f}" for kernel, ms in top.items()))
+    return top
 
 
 if __name__ == "__main__":
