@@ -1,7 +1,12 @@
 """Inputs shared by the SSD kernel tests."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.mamba2 import schedule as scheduling
+from pallas_kernels.mamba2 import tuning, walks
 
 DIFFERENTIABLE = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
@@ -46,3 +51,20 @@ def loss_and_grads(fn, args, **kw):
         *values
     )
     return outs, dict(zip(names, grads, strict=True))
+
+
+def force_cut_walks(monkeypatch, schedule, backward_split=True):
+    """Makes the scan kernels cut their walks at a small size: the forward by `schedule`, the
+    backward's into units of 2 chunks (or not at all without `backward_split`). Returns the
+    list that collects (kind, schedule) of every `walks.unit_sums` call."""
+    table = tuning.blocks_for
+    monkeypatch.setattr(tuning, "blocks_for", lambda kind, n: dataclasses.replace(
+        table(kind, n), scan_programs=10**6, min_segment_chunks=2,
+        backward_segment_walks_below=10**6 if backward_split else 0))
+    monkeypatch.setattr(scheduling, "forward_schedule", lambda *a: schedule)
+    calls = []
+    unit_sums = walks.unit_sums
+    monkeypatch.setattr(walks, "unit_sums",
+                        lambda *a, plan, kind, **kw: calls.append((kind, plan.schedule))
+                        or unit_sums(*a, plan=plan, kind=kind, **kw))
+    return calls

@@ -1,6 +1,5 @@
 """SSD kernels (interpret mode on CPU) against the token-by-token recurrence."""
 
-import dataclasses
 import functools
 import zlib
 
@@ -9,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from numerics import rel_error
-from ssd_cases import loss_and_grads, make_inputs
+from ssd_cases import force_cut_walks, loss_and_grads, make_inputs
 
 import pallas_kernels
 from pallas_kernels.mamba2 import common, preprocess, reference, semantics, tuning, walks
@@ -105,16 +104,7 @@ def test_cut_walks_match_recurrence(case, seq_idx, monkeypatch):
     # The scan kernels (forward, state recompute, state gradients) with their walks cut into
     # programs walked in parallel (walks.py), forced here at a small size.
     _, schedule, backward_split = case
-    table = tuning.blocks_for
-    monkeypatch.setattr(tuning, "blocks_for", lambda kind, n: dataclasses.replace(
-        table(kind, n), scan_programs=10**6, min_segment_chunks=2,
-        backward_segment_walks_below=10**6 if backward_split else 0))
-    monkeypatch.setattr(scheduling, "forward_schedule", lambda *a: schedule)
-    calls = []
-    unit_sums = walks.unit_sums
-    monkeypatch.setattr(walks, "unit_sums",
-                        lambda *a, plan, kind, **kw: calls.append((kind, plan.schedule))
-                        or unit_sums(*a, plan=plan, kind=kind, **kw))
+    calls = force_cut_walks(monkeypatch, schedule, backward_split)
     args = make_inputs(12, t=150)
     if seq_idx:  # sequences start on a unit's first token (32, 80) and inside chunks (37, 75)
         ids = jnp.arange(150)

@@ -8,7 +8,6 @@ Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (`.ci/run` does).
 """
 
 import collections
-import dataclasses
 import functools
 import re
 
@@ -27,8 +26,7 @@ from numerics import rel_error
 import pallas_kernels
 from pallas_kernels import _compat, _sharding
 from pallas_kernels.attention import masking
-from pallas_kernels.mamba2 import reference, tuning, walks
-from pallas_kernels.mamba2 import schedule as scheduling
+from pallas_kernels.mamba2 import reference
 from pallas_kernels.mamba2.schedule import Schedule
 
 pytestmark = pytest.mark.multidevice
@@ -268,16 +266,7 @@ def test_ssd_cut_walks_match_recurrence(schedule, seq_idx, monkeypatch):
     gradient walk only those of its first part, from the later units' sums (the backward's walks
     in 5 units). Against the token-by-token recurrence on the whole sequence."""
     parts, shard = BATCH_SEQUENCE[3], 150  # 10 chunks of 16 a shard (the last one padded)
-    table = tuning.blocks_for
-    monkeypatch.setattr(tuning, "blocks_for", lambda kind, n: dataclasses.replace(
-        table(kind, n), scan_programs=10**6, min_segment_chunks=2,
-        backward_segment_walks_below=10**6))
-    monkeypatch.setattr(scheduling, "forward_schedule", lambda *a: schedule)
-    calls = []
-    unit_sums = walks.unit_sums
-    monkeypatch.setattr(walks, "unit_sums",
-                        lambda *a, plan, kind, **kw: calls.append((kind, plan.schedule))
-                        or unit_sums(*a, plan=plan, kind=kind, **kw))
+    calls = ssd_cases.force_cut_walks(monkeypatch, schedule)
     args = ssd_cases.make_inputs(seed("cut-walks", str(schedule)), b=2, t=parts * shard, h=4,
                                  p=8, n=16, g=2)
     if seq_idx:
