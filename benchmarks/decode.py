@@ -244,12 +244,13 @@ def measure_jax_step(step, args, reference, opts, result=None):
     return {**(result or {}), **fields}, dataclasses.replace(timing, device_ms=1e3 * device_s)
 
 
-def ours_splits(shape):
+def ours_splits(shape, int8=False):
     """The number of splits attention_with_kv_cache chooses for `num_splits=None`."""
     from pallas_kernels.kv_cache import tuning
 
     return tuning.plan(jax.devices()[0].device_kind, shape.batch, shape.kv_heads,
-                       shape.pages_per_row * shape.page_size, shape.page_size).splits
+                       shape.pages_per_row * shape.page_size, shape.page_size,
+                       key_row_bytes=shape.head_dim * (1 if int8 else 2)).splits
 
 
 def ours_builder(*, num_splits=None, int8=False):
@@ -257,7 +258,7 @@ def ours_builder(*, num_splits=None, int8=False):
         import pallas_kernels
 
         q, k_pages, v_pages, table, seqlens = inputs[:5]
-        result = {"num_splits": num_splits or ours_splits(shape)}
+        result = {"num_splits": num_splits or ours_splits(shape, int8)}
         call = functools.partial(
             pallas_kernels.attention_with_kv_cache, scale=shape.scale, num_splits=num_splits,
             implementation="pallas", interpret=opts.interpret or None)

@@ -8,6 +8,7 @@ bodies use only idioms that are identical in 0.11.2 and 0.12 (ref indexing, `jnp
 import warnings
 
 import jax
+import jaxlib
 import numpy as np
 from jax.experimental.pallas import triton as plt
 
@@ -21,6 +22,13 @@ def silence_triton_deprecation():
     filter is process-wide; it matches only that message.
     """
     warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+def jaxlib_at_least(major, minor):
+    """Whether the installed jaxlib is `major.minor` or newer. jaxlib carries the Triton compiler
+    that turns a kernel's IR into machine code, so a tile's speed can change with it (tuning
+    tables key on this where a measurement showed it)."""
+    return tuple(int(part) for part in jaxlib.__version__.split(".")[:2]) >= (major, minor)
 
 
 def triton_params(num_warps, num_stages):

@@ -1,7 +1,8 @@
 """The sweep behind kv_cache/tuning.py's rows (benchmarks/NOTES.md): attention_with_kv_cache's
 device time (`_timing.chained_seconds`) at decode.py's three shapes, bf16 and int8 caches, over
 the tile (block_k, num_warps, num_stages) and, for the long row, the number of splits. The
-tile is swapped into tuning's table for the device's family before each traced call. On the
+tile stands in for tuning's table (`tuning.table`) before each traced call. The best tile can
+change with jaxlib, whose Triton compiles the kernel: each line records the jaxlib version. On the
 GPU machine, from the repository root:
 
     python -m benchmarks.experiments.decode_tune --out "$OUT/decode_tune.jsonl"
@@ -14,6 +15,7 @@ import itertools
 import json
 
 import jax
+import jaxlib
 
 import pallas_kernels
 from benchmarks import _timing, decode
@@ -50,7 +52,7 @@ def main():
                 configs += [(tuning.DecodeBlocks(bk, 4, 3), s)
                             for bk, s in itertools.product((32, 64, 128), LONG_SPLITS)]
             for int8, (tile, splits) in itertools.product((False, True), configs):
-                tuning._TABLE[family] = tile
+                tuning.table = lambda key_row_bytes, tile=tile: {family: tile}
 
                 def step(q, k, v, seqlens, table, ks, vs, splits=splits, scale=shape.scale):
                     return pallas_kernels.attention_with_kv_cache(
@@ -60,7 +62,8 @@ def main():
 
                 arrays = ((q, k8, v8, seqlens, table, k_scale, v_scale) if int8
                           else (q, k_pages, v_pages, seqlens, table, None, None))
-                row = dict(shape=name, int8=int8, **dataclasses.asdict(tile), splits=splits)
+                row = dict(shape=name, int8=int8, **dataclasses.asdict(tile), splits=splits,
+                           jaxlib=jaxlib.__version__)
                 try:
                     seconds = _timing.chained_seconds(jax.jit(step), *arrays, calls=20)
                 except Exception as error:  # noqa: BLE001 - a tile that does not compile

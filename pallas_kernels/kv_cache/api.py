@@ -91,7 +91,8 @@ def attention_with_kv_cache(
             logits_soft_cap=logits_soft_cap, return_residual=return_residual)
 
     plan = tuning.plan(_device.target()[0], batch, layout.kv_heads, layout.capacity,
-                       layout.page_size, num_splits)
+                       layout.page_size, num_splits,
+                       key_row_bytes=_device.pow2_at_least(h) * k_cache.dtype.itemsize)
     block_k = plan.blocks.block_k
     groups = n // layout.kv_heads
     static = forward.Static(

@@ -9,7 +9,7 @@ on the GPU (benchmarks/decode.py).
 
 import dataclasses
 
-from pallas_kernels import _device
+from pallas_kernels import _compat, _device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +27,14 @@ _TABLE = {
     "cdna": DecodeBlocks(64, 4, 1),
     "fallback": DecodeBlocks(64, 4, 2),
 }
+# Rows that jaxlib 0.12's Triton wants otherwise, for key rows of at most WIDE_ROW_BYTES (bf16 to
+# head dim 128, 8-bit caches to 256). H100, B 64 at 8192 keys, 32:4 heads
+# (benchmarks/experiments/decode_tune.py, results/decode_tune_h100{,_jaxlib012}.*): 64 keys a
+# step took 0.41 ms with jaxlib 0.11.2 and 0.54 with 0.12 (int8 KV 0.31 -> 0.42); 128 keys take
+# 0.41 with either (int8 0.32 and 0.34). Wider rows would spill at 128 keys (sm_90a: a float32
+# cache at head dim 128 compiles to 255 registers and spills).
+_TABLE_JAXLIB_0_12 = {"hopper": DecodeBlocks(128, 4, 3)}
+WIDE_ROW_BYTES = 256
 # Programs per multiprocessor that splitting aims for, and the fewest keys a split is worth.
 PROGRAMS_PER_MULTIPROCESSOR = 2
 MIN_KEYS_PER_SPLIT = 128
@@ -45,13 +53,15 @@ class Plan:
     blocks_per_split: int
 
 
-def plan(device_kind, batch, kv_heads, capacity, page_size=None, num_splits=None):
-    """The Plan of a call on `batch` rows of `capacity` keys over `kv_heads` heads: the table's
-    tile, whose `block_k` is a whole number of pages for a paged cache (at least one) and
+def plan(device_kind, batch, kv_heads, capacity, page_size=None, num_splits=None, *,
+         key_row_bytes):
+    """The Plan of a call on `batch` rows of `capacity` keys over `kv_heads` heads, each key a
+    row of `key_row_bytes` in the cache (the padded head dim times the element's bytes): the
+    table's tile, whose `block_k` is a whole number of pages for a paged cache (at least one) and
     divides a dense cache's capacity; `num_splits` or `splits_for`'s, at most one per block,
     rounded up to a power of two (the merge reads every split's partial as one array; the
     splits past the last block are empty and exit at once)."""
-    blocks = _TABLE[_device.family(device_kind)]
+    blocks = table(key_row_bytes)[_device.family(device_kind)]
     if page_size is not None:
         block_k = max(blocks.block_k, page_size)
     else:
@@ -65,6 +75,14 @@ def plan(device_kind, batch, kv_heads, capacity, page_size=None, num_splits=None
         blocks = dataclasses.replace(blocks, num_stages=1)
     return Plan(dataclasses.replace(blocks, block_k=block_k),
                 _device.pow2_at_least(_device.cdiv(total, per_split), minimum=1), per_split)
+
+
+def table(key_row_bytes):
+    """The tile per GPU family for the installed jaxlib and a cache's key rows of
+    `key_row_bytes`."""
+    if _compat.jaxlib_at_least(0, 12) and key_row_bytes <= WIDE_ROW_BYTES:
+        return {**_TABLE, **_TABLE_JAXLIB_0_12}
+    return _TABLE
 
 
 def _dense_block(capacity, block_k):

@@ -350,7 +350,7 @@ def test_split_plans_cover_the_cache_in_a_power_of_two_of_splits(batch, kv_heads
     a power of two that covers every block, none starts past the last block but the empty
     tail, and splits of a few blocks run with one stage."""
     plan = tuning.plan("NVIDIA H100 80GB HBM3", batch, kv_heads, capacity, page_size=16,
-                       num_splits=num_splits)
+                       num_splits=num_splits, key_row_bytes=256)
     blocks = -(-capacity // plan.blocks.block_k)
     assert plan.splits & (plan.splits - 1) == 0
     assert plan.splits * plan.blocks_per_split >= blocks
