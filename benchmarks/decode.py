@@ -551,9 +551,10 @@ GENERATE_QUICK = [(2, 32, 8, "bfloat16"), (2, 32, 8, "int8")]  # the tiny preset
 
 def measure_generate(run, opts):
     """`HybridLM.generate` at one of GENERATE_RUNS (`--quick`: the tiny preset), paged KV cache
-    of 16-token pages, each call timed after its compile (median of 3): prefill tokens/s from a
-    call that generates one token (the prefill and its sample), decode tokens/s from the
-    difference with the full call. Returns (result fields, _timing.Timing of the full call)."""
+    of 16-token pages, SSM states in `--ssm-dtype`, each call timed after its compile (median
+    of 3): prefill tokens/s from a call that generates one token (the prefill and its sample),
+    decode tokens/s from the difference with the full call. Returns (result fields,
+    _timing.Timing of the full call)."""
     from flax import nnx
 
     from flax_layers import HybridLM, HybridLMConfig
@@ -566,7 +567,8 @@ def measure_generate(run, opts):
     def seconds(n):
         def call():
             model.generate(prompt, n, temperature=0.0, rng=jax.random.key(1), kv_dtype=kv_dtype,
-                           page_size=16, prefill_tokens=opts.prefill_tokens).block_until_ready()
+                           page_size=16, prefill_tokens=opts.prefill_tokens,
+                           ssm_dtype=opts.ssm_dtype).block_until_ready()
 
         call()  # compiles
         times = []
@@ -605,9 +607,11 @@ def generate_records(opts):
         if opts.generate != "all" and run_name(run) not in opts.generate.split(","):
             continue
         batch, prompt_length, new_tokens, kv_dtype = run
-        record = {"label": f"generate B{batch} prompt {prompt_length} +{new_tokens} {kv_dtype}",
+        states = "" if opts.ssm_dtype == "float32" else f", {opts.ssm_dtype} SSM states"
+        record = {"label": f"generate B{batch} prompt {prompt_length} +{new_tokens} "
+                           f"{kv_dtype}{states}",
                   "impl": "ours", "mode": "generate", "batch": batch, "prompt": prompt_length,
-                  "new_tokens": new_tokens, "kv_dtype": kv_dtype,
+                  "new_tokens": new_tokens, "kv_dtype": kv_dtype, "ssm_dtype": opts.ssm_dtype,
                   "prefill_tokens": opts.prefill_tokens or generation.PREFILL_TOKENS}
         record = _harness.measured_record(
             record, functools.partial(measure_generate, run, opts), uses_torch=False)
@@ -735,6 +739,8 @@ def parse_args(argv=None):
                         help="also time HybridLM.generate on the 1.1B model: every run of "
                              "GENERATE_RUNS, or those named as B<batch>:<kv dtype>, comma "
                              "separated (B64:bfloat16)")
+    parser.add_argument("--ssm-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="generate's ssm_dtype (the Mamba2 states' storage)")
     parser.add_argument("--prefill-tokens", type=int, default=None,
                         help="generate's prefill_tokens (prompt tokens a prefill group holds; "
                              "default flax_layers.generation.PREFILL_TOKENS)")

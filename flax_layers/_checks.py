@@ -40,6 +40,19 @@ def check_dtypes(**dtypes):
             raise TypeError(f"{name} must be a floating dtype or None, got {dtype!r}")
 
 
+def check_state_dtype(name, dtype):
+    """A recurrent state's dtype: float32, bfloat16, float16 or float64 (the update's math runs
+    in float32 or float64 whatever it is; the state is rounded to it after each step)."""
+    try:
+        valid = dtype is not None and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16,
+                                                           jnp.float16, jnp.float64)
+    except TypeError:
+        valid = False
+    if not valid:
+        raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {dtype!r}")
+    return jnp.dtype(dtype)
+
+
 def check_implementation(implementation, *, name="implementation", attention=False):
     """`implementation` must be one of the kernels' implementations or None (for attention
     also "cudnn", jax.nn's cuDNN attention)."""

@@ -13,13 +13,14 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 
-from flax_layers._checks import check_lengths, check_sizes, check_tokens
+from flax_layers._checks import check_lengths, check_sizes, check_state_dtype, check_tokens
 
 
 class CausalLM(nnx.Module):
     """A language model that `generate` samples from. A subclass has a `config` with
     `vocab_size` and `dtype` (the compute dtype, or None), and provides
-    `init_cache(batch, max_length, *, kv_dtype=None, page_size=None)` (empty decode caches),
+    `init_cache(batch, max_length, *, kv_dtype=None, page_size=None, ssm_dtype=float32)`
+    (empty decode caches),
     `_check_decode(batch, new)` (a ValueError unless the caches take `new` tokens a row)
     and `_forward(tokens, segment_ids, decode, lengths, fresh, logits_at=None)` (logits
     float32; with `fresh` the caches were just initialised, with `logits_at` (B,) only the
@@ -62,6 +63,7 @@ class CausalLM(nnx.Module):
         kv_dtype: DTypeLike | None = None,
         page_size: int | None = None,
         prefill_tokens: int | None = None,
+        ssm_dtype: DTypeLike = jnp.float32,
     ) -> jax.Array:
         """Samples up to `max_new_tokens` after each row's prompt, in one compiled call: the
         prompts run through the model once (the prefill: FlashAttention and the chunked SSD,
@@ -84,6 +86,8 @@ class CausalLM(nnx.Module):
           stop_tokens: None or a sequence of token ids: a row that samples one stops; its later
             positions repeat that token. The loop ends when every row has stopped.
           kv_dtype, page_size: the KV caches' storage (see `init_cache`).
+          ssm_dtype: the Mamba2 states' storage (see `init_cache`): float32, or bfloat16 to
+            read and write half the bytes a step (the states rounded after each token).
           prefill_tokens: None or an int >= 1: the prefill runs the prompts in groups of rows
             holding at most this many prompt tokens (at least one row), one group after the
             other. Its activations grow with it; the caches do not. Default PREFILL_TOKENS (8192).
@@ -94,6 +98,7 @@ class CausalLM(nnx.Module):
         """
         _check_generate(prompt_tokens, max_new_tokens, temperature, rng, self.config.vocab_size,
                         prefill_tokens)
+        ssm_dtype = check_state_dtype("ssm_dtype", ssm_dtype)
         batch, t = prompt_tokens.shape
         sampling = _check_sampling(top_k, top_p, stop_tokens, self.config.vocab_size)
         lengths = (jnp.full((batch,), t, jnp.int32) if prompt_lengths is None
@@ -109,7 +114,8 @@ class CausalLM(nnx.Module):
                          max_new_tokens=max_new_tokens, greedy=temperature == 0,
                          top_k=top_k, nucleus=top_p is not None,
                          kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name,
-                         page_size=page_size, prefill_rows=_prefill_rows(batch, t, group),
+                         page_size=page_size, ssm_dtype=ssm_dtype.name,
+                         prefill_rows=_prefill_rows(batch, t, group),
                          compute_dtype=None if self.config.dtype is None
                          else jnp.dtype(self.config.dtype).name)
 
@@ -130,11 +136,11 @@ def _prefill_rows(batch, t, tokens):
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=(
-    "max_new_tokens", "greedy", "top_k", "nucleus", "kv_dtype", "page_size", "prefill_rows",
-    "compute_dtype"))
+    "max_new_tokens", "greedy", "top_k", "nucleus", "kv_dtype", "page_size", "ssm_dtype",
+    "prefill_rows", "compute_dtype"))
 def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_tokens, *,
-              max_new_tokens, greedy, top_k, nucleus, kv_dtype, page_size, prefill_rows,
-              compute_dtype):
+              max_new_tokens, greedy, top_k, nucleus, kv_dtype, page_size, ssm_dtype,
+              prefill_rows, compute_dtype):
     """`CausalLM.generate`: the prefill (in groups of `prefill_rows` rows, `_prefill`) and its
     token, then the decode loop (a `lax.while_loop` whose carry holds the caches, so XLA
     updates them in place), each step a forward of the last token and a sample."""
@@ -142,7 +148,7 @@ def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_to
     model = nnx.merge(graphdef, state)
     batch, t = prompt.shape
     cache_options = dict(max_length=t + max_new_tokens - 1, kv_dtype=kv_dtype,
-                         page_size=page_size)
+                         page_size=page_size, ssm_dtype=ssm_dtype)
     model.init_cache(batch, **cache_options)
     if prefill_rows == batch:
         logits = model._forward(prompt, None, True, lengths, fresh=True, logits_at=lengths - 1)

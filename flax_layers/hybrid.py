@@ -194,9 +194,11 @@ class HybridLM(CausalLM):
         self.kv_caches = nnx.data(None)
 
     def init_cache(self, batch_size: int, max_length: int, *, dtype: DTypeLike | None = None,
-                   kv_dtype: DTypeLike | None = None, page_size: int | None = None) -> None:
+                   kv_dtype: DTypeLike | None = None, page_size: int | None = None,
+                   ssm_dtype: DTypeLike = jnp.float32) -> None:
         """Empty decode caches for `batch_size` rows of up to `max_length` tokens: per Mamba2
-        block a conv state (in `dtype`, default the model's) and an SSM state (float32); per use
+        block a conv state (in `dtype`, default the model's) and an SSM state (`ssm_dtype`,
+        float32 by default; see `Mamba2.init_cache`); per use
         of the shared block a KV cache of `kv_dtype` (default `dtype`; int8, float8_e4m3fn or
         float8_e4m3fnuz store 8-bit entries with a scale per token and head), dense or in pages
         of `page_size` tokens (`flax_layers.attention.empty_kv_cache`)."""
@@ -204,7 +206,7 @@ class HybridLM(CausalLM):
         dtype = jnp.dtype(dtype or self.config.dtype or jnp.float32)
         kv_dtype = jnp.dtype(kv_dtype or dtype)
         for block in self.blocks:
-            block.mixer.init_cache(batch_size, dtype)
+            block.mixer.init_cache(batch_size, dtype, ssm_dtype)
         uses = self.config.num_layers // self.config.shared_every
         self.kv_caches = nnx.List([
             KVCacheSlot(self.shared.attention.empty_cache(batch_size, max_length, kv_dtype,

@@ -11,7 +11,13 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 import pallas_kernels
-from flax_layers._checks import check_dtypes, check_flags, check_implementation, check_sizes
+from flax_layers._checks import (
+    check_dtypes,
+    check_flags,
+    check_implementation,
+    check_sizes,
+    check_state_dtype,
+)
 from flax_layers._sharding import (
     causal_halo,
     features_sharded,
@@ -152,13 +158,18 @@ class Mamba2(nnx.Module):
         self.conv_state = nnx.data(None)
         self.ssm_state = nnx.data(None)
 
-    def init_cache(self, batch_size: int, dtype: DTypeLike = jnp.float32) -> None:
-        """Zero conv state (B, d_conv - 1, conv_dim) and SSM state (B, H, P, N) float32."""
+    def init_cache(self, batch_size: int, dtype: DTypeLike = jnp.float32,
+                   ssm_dtype: DTypeLike = jnp.float32) -> None:
+        """Zero conv state (B, d_conv - 1, conv_dim) in `dtype` and SSM state (B, H, P, N) in
+        `ssm_dtype`: float32 by default; bfloat16 (mamba_ssm's and transformers' choice for a
+        bf16 model) halves the bytes a decode step reads and writes, the state rounded to bf16
+        after each step (the update's math runs in float32 either way)."""
         check_sizes(batch_size=batch_size)
+        ssm_dtype = check_state_dtype("ssm_dtype", ssm_dtype)
         self.conv_state = nnx.Cache(jnp.zeros((batch_size, self.d_conv - 1, self.conv_dim),
                                               dtype))
         self.ssm_state = nnx.Cache(jnp.zeros(
-            (batch_size, self.nheads, self.headdim, self.d_state), jnp.float32))
+            (batch_size, self.nheads, self.headdim, self.d_state), ssm_dtype))
 
     def set_view(self, decode: bool | None = None, batch_size: int | None = None) -> None:
         """For `nnx.view(model, decode=..., batch_size=...)`: `decode` becomes the default of
@@ -281,8 +292,8 @@ class Mamba2(nnx.Module):
         `initial_states` (B, H, P, N) or None. `dt` is in_proj's (B, T, H), or with
         `step_sizes` the step sizes themselves (the bias, softplus and limits applied).
         `packed`: in_proj's output, for the conv to read xbc in place (`_conv`). Returns (y
-        (B, T, d_ssm), (conv history, SSM state) after the last token, in the histories' and
-        float32), None for the latter unless `caches`."""
+        (B, T, d_ssm), (conv history, SSM state) after the last token, in the dtypes of
+        `history` and `initial_states`), None for the latter unless `caches`."""
         x, b, c = self._ssd_inputs(*self._conv(xbc, history, seq_idx, packed))
         if not caches:  # training: over a tensor axis the scan runs per head shard (decoding
             x, dt = heads_sharded(x), heads_sharded(dt)  # takes whole parameters)
@@ -298,7 +309,7 @@ class Mamba2(nnx.Module):
         y = y.reshape(*xbc.shape[:2], self.d_ssm)
         if not caches:
             return y, None
-        return y, (_conv_history(history, xbc), final.astype(jnp.float32))
+        return y, (_conv_history(history, xbc), final.astype(initial_states.dtype))
 
     def _prefill(self, z, xbc, dt, conv_state, ssm_state, lengths):
         """Several tokens (B, T, ...) through the chunked scan from the cached states; with

@@ -218,14 +218,15 @@ class Mamba2LM(CausalLM):
 
     def init_cache(self, batch_size: int, max_length: int | None = None, *,
                    dtype: DTypeLike | None = None, kv_dtype: DTypeLike | None = None,
-                   page_size: int | None = None) -> None:
+                   page_size: int | None = None, ssm_dtype: DTypeLike = jnp.float32) -> None:
         """Empty decode caches for `batch_size` rows: per block a conv state (in `dtype`,
-        default the model's) and an SSM state (float32). A Mamba2LM holds no KV cache: its
+        default the model's) and an SSM state (`ssm_dtype`, float32 by default; see
+        `Mamba2.init_cache`). A Mamba2LM holds no KV cache: its
         caches do not grow, and `max_length`, `kv_dtype` and `page_size` change nothing."""
         check_sizes(batch_size=batch_size)
         dtype = jnp.dtype(dtype or self.config.dtype or jnp.float32)
         for block in self.blocks:
-            block.mixer.init_cache(batch_size, dtype)
+            block.mixer.init_cache(batch_size, dtype, ssm_dtype)
 
     def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                  decode: bool = False, lengths: jax.Array | None = None) -> jax.Array:

@@ -340,15 +340,16 @@ class Zamba2LM(CausalLM):
         self.kv_caches = nnx.data(None)
 
     def init_cache(self, batch_size: int, max_length: int, *, dtype: DTypeLike | None = None,
-                   kv_dtype: DTypeLike | None = None, page_size: int | None = None) -> None:
+                   kv_dtype: DTypeLike | None = None, page_size: int | None = None,
+                   ssm_dtype: DTypeLike = jnp.float32) -> None:
         """Empty decode caches for `batch_size` rows of up to `max_length` tokens (see
-        `HybridLM.init_cache`: conv states in `dtype`, SSM states float32, a KV cache of
+        `HybridLM.init_cache`: conv states in `dtype`, SSM states in `ssm_dtype`, a KV cache of
         `kv_dtype`, dense or paged, per hybrid layer)."""
         check_sizes(batch_size=batch_size, max_length=max_length)
         dtype = jnp.dtype(dtype or self.config.dtype or jnp.float32)
         kv_dtype = jnp.dtype(kv_dtype or dtype)
         for layer in self.layers:
-            layer.mixer.init_cache(batch_size, dtype)
+            layer.mixer.init_cache(batch_size, dtype, ssm_dtype)
         self.kv_caches = nnx.List([
             KVCacheSlot(self.shared[use % len(self.shared)].attention.empty_cache(
                 batch_size, max_length, kv_dtype, page_size))

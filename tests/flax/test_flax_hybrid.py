@@ -195,6 +195,7 @@ def test_generate_takes_zero_new_tokens_without_touching_the_model():
     (dict(prompt_lengths=jnp.array([3, 0])), ValueError, r"prompt_lengths must lie in \[1, 3\]"),
     (dict(prompt_lengths=jnp.array([3])), ValueError, r"prompt_lengths must have shape \(2,\)"),
     (dict(prompt_lengths=jnp.array([3.0, 1.0])), TypeError, "prompt_lengths must be an integer"),
+    (dict(ssm_dtype="int8"), TypeError, "ssm_dtype must be float32, bfloat16"),
 ])
 def test_generate_checks_its_arguments(kwargs, error, needle):
     model = _small_model()
@@ -303,10 +304,11 @@ def test_ragged_prompts_generate_what_each_row_generates_alone():
 
 def test_a_prefill_in_groups_of_rows_generates_what_one_prefill_does():
     """Long prompts prefill a few rows at a time (`prefill_tokens`), and the groups' caches
-    (paged, 8-bit with scales; conv and SSM states) join as one prefill's would."""
+    (paged, 8-bit with scales; conv and bf16 SSM states) join as one prefill's would."""
     model = _small_model()
     prompt = jax.random.randint(jax.random.key(6), (4, 7), 0, 256)
-    options = dict(prompt_lengths=jnp.array([7, 2, 5, 6]), kv_dtype="int8", page_size=16)
+    options = dict(prompt_lengths=jnp.array([7, 2, 5, 6]), kv_dtype="int8", page_size=16,
+                   ssm_dtype="bfloat16")
     whole = _greedy(model, prompt, 5, **options)
     assert generation._prefill_rows(4, 7, 14) == 2 and generation._prefill_rows(4, 7, 6) == 1
     for tokens in (14, 1):  # groups of 2 rows, of 1
@@ -343,6 +345,22 @@ def test_8_bit_kv_caches_decode_close_to_float(kv_dtype):
                                        for t in range(6, 12)], axis=1))
     error = float(jnp.max(jnp.abs(logits[1] - logits[0])) / jnp.max(jnp.abs(logits[0])))
     assert 0 < error < (2e-2 if kv_dtype == jnp.int8 else 1e-1)
+
+
+def test_bfloat16_ssm_states_decode_close_to_float():
+    """The logits of decode steps with bf16 SSM states (rounded after every token) against
+    float32 ones: within bf16's rounding."""
+    model = _small_model()
+    tokens = jax.random.randint(jax.random.key(8), (2, 12), 0, 256)
+    logits = []
+    for ssm_dtype in (jnp.float32, jnp.bfloat16):
+        model.init_cache(2, 16, ssm_dtype=ssm_dtype)
+        _decode(model, tokens[:, :6])
+        logits.append(jnp.concatenate([_decode(model, tokens[:, t:t + 1])
+                                       for t in range(6, 12)], axis=1))
+    assert {block.mixer.ssm_state[...].dtype for block in model.blocks} == {jnp.dtype("bfloat16")}
+    error = float(jnp.max(jnp.abs(logits[1] - logits[0])) / jnp.max(jnp.abs(logits[0])))
+    assert 0 < error < 1e-2
 
 
 def test_a_row_that_samples_a_stop_token_repeats_it():

@@ -91,6 +91,31 @@ def test_decode_continues_the_forward_exactly(options):
            full, 1e-4)  # token by token from an empty cache
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_bfloat16_ssm_state_continues_the_forward(implementation):
+    """A bf16 SSM state (mamba_ssm's for a bf16 model): stays bf16 through the prefill and the
+    steps, and the outputs follow the float32 forward within bf16 rounding of the state."""
+    u = jax.random.normal(jax.random.key(2), (2, 19, 16))
+    layer = Mamba2(16, implementation=implementation, rngs=nnx.Rngs(2), **SMALL)
+    full = layer(u)
+    layer.init_cache(2, ssm_dtype=jnp.bfloat16)
+    out = [layer(u[:, :7], decode=True)]
+    assert layer.ssm_state[...].dtype == jnp.bfloat16
+    out += [layer(u[:, t:t + 1], decode=True) for t in range(7, 19)]
+    assert layer.ssm_state[...].dtype == jnp.bfloat16
+    out = jnp.concatenate(out, axis=1)
+    scale = float(jnp.max(jnp.abs(full)))
+    assert float(jnp.max(jnp.abs(out - full))) < 2e-2 * scale
+    assert float(jnp.max(jnp.abs(out - full))) > 0  # the state was rounded
+
+
+@pytest.mark.parametrize("ssm_dtype", [jnp.int8, jnp.float8_e4m3fn, "int32", None])
+def test_ssm_state_dtype_is_checked(ssm_dtype):
+    layer = Mamba2(16, rngs=nnx.Rngs(0), **SMALL)
+    with pytest.raises(TypeError, match="ssm_dtype"):
+        layer.init_cache(2, ssm_dtype=ssm_dtype)
+
+
 @pytest.mark.parametrize("d_ssm", [None, 64])
 def test_parameter_count_matches_mamba_ssm_formula(d_ssm):
     d_model, d_state, d_conv, expand, headdim, ngroups = 64, 32, 4, 2, 16, 2
