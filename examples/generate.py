@@ -6,7 +6,8 @@ Loads the newest checkpoint of the workdir that loads (or `--step`'s), rebuildin
 the settings stored with it, and continues each prompt (bytes) through `HybridLM.generate`: one
 compiled call that prefills the prompts (FlashAttention and the chunked SSD on a GPU) and
 decodes in a `lax.while_loop`, sampling on the device (`--temperature`, `--top-k`, `--top-p`),
-with the KV caches in `--kv-dtype` and pages of `--page-size` tokens. Prompts of different
+with the KV caches in `--kv-dtype` and pages of `--page-size` tokens, the Mamba2 states in
+`--ssm-dtype`. Prompts of different
 lengths share the batch (`prompt_lengths`). `--batch` repeats the prompts to that many rows.
 
 Prints the samples, then the throughput of the compiled call, timed again after compiling:
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the KV caches' storage")
     parser.add_argument("--page-size", type=int, default=None,
                         help="a paged KV cache of pages this long (a power of two >= 16)")
+    parser.add_argument("--ssm-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the Mamba2 states' storage (bfloat16: half the bytes a step)")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    rng=jax.random.key(args.seed), prompt_lengths=lengths,
                    kv_dtype=None if args.kv_dtype == "model" else args.kv_dtype,
-                   page_size=args.page_size)
+                   page_size=args.page_size, ssm_dtype=args.ssm_dtype)
 
     def timed(new_tokens):
         model.generate(tokens, new_tokens, **options).block_until_ready()  # compiles
