@@ -403,19 +403,22 @@ def test_sample_token_keeps_the_top_k_and_the_nucleus():
     assert set(nucleus) == {0, 1} and abs((nucleus == 0).mean() - 0.5 / 0.8) < 0.05
 
 
-def test_the_decode_loop_copies_no_cache():
+@pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
+def test_the_decode_loop_copies_no_cache(ssm_dtype):
     """`generate` compiles to one call whose while loop carries the KV caches and the Mamba2
-    states: no copy of a cache-sized buffer inside the loop."""
+    states (float32 or bf16): no copy of a cache-sized buffer inside the loop."""
     model = _small_model()
     graphdef, state = nnx.split(model)
     prompt = jnp.ones((2, 5), jnp.int32)
     hlo = jax.jit(lambda state: nnx.merge(graphdef, state).generate(
-        prompt, 7, temperature=0.0, rng=jax.random.key(0))).lower(state).compile().as_text()
+        prompt, 7, temperature=0.0, rng=jax.random.key(0), ssm_dtype=ssm_dtype)).lower(
+        state).compile().as_text()
     kv_shape = "f32[2,16,1,16]"  # (B, capacity 5 + 7 -> 16, K, H)
-    assert kv_shape in hlo and " while(" in hlo
+    state_shape = ("f32" if ssm_dtype == "float32" else "bf16") + "[2,4,16,16]"  # (B, H, P, N)
+    assert kv_shape in hlo and state_shape in hlo and " while(" in hlo
     body = _while_body(hlo)
     copies = [line for line in body if " copy(" in line and (kv_shape in line or
-                                                             "f32[2,4,16,16]" in line)]
+                                                             state_shape in line)]
     assert not copies, copies
 
 
