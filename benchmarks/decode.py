@@ -81,6 +81,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import itertools
 import json
 import math
 import statistics
@@ -549,9 +550,9 @@ GENERATE_RUNS = [(8, 1024, 128, "bfloat16"), (64, 7680, 512, "bfloat16"),
 GENERATE_QUICK = [(2, 32, 8, "bfloat16"), (2, 32, 8, "int8")]  # the tiny preset
 
 
-def measure_generate(run, opts):
+def measure_generate(run, ssm_dtype, opts):
     """`HybridLM.generate` at one of GENERATE_RUNS (`--quick`: the tiny preset), paged KV cache
-    of 16-token pages, SSM states in `--ssm-dtype`, each call timed after its compile (median
+    of 16-token pages, SSM states in `ssm_dtype`, each call timed after its compile (median
     of 3): prefill tokens/s from a call that generates one token (the prefill and its sample),
     decode tokens/s from the difference with the full call. Returns (result fields,
     _timing.Timing of the full call)."""
@@ -568,7 +569,7 @@ def measure_generate(run, opts):
         def call():
             model.generate(prompt, n, temperature=0.0, rng=jax.random.key(1), kv_dtype=kv_dtype,
                            page_size=16, prefill_tokens=opts.prefill_tokens,
-                           ssm_dtype=opts.ssm_dtype).block_until_ready()
+                           ssm_dtype=ssm_dtype).block_until_ready()
 
         call()  # compiles
         times = []
@@ -598,23 +599,23 @@ def run_name(run):
 
 
 def generate_records(opts):
-    """One record per generation run that `--generate` names (see `measure_generate`), printed
-    as it finishes."""
+    """One record per generation run that `--generate` names and SSM state dtype of
+    `--ssm-dtypes` (see `measure_generate`), printed as it finishes."""
     from flax_layers import generation
 
     records = []
-    for run in GENERATE_QUICK if opts.quick else GENERATE_RUNS:
-        if opts.generate != "all" and run_name(run) not in opts.generate.split(","):
-            continue
+    runs = [run for run in (GENERATE_QUICK if opts.quick else GENERATE_RUNS)
+            if opts.generate == "all" or run_name(run) in opts.generate.split(",")]
+    for run, ssm_dtype in itertools.product(runs, opts.ssm_dtypes):
         batch, prompt_length, new_tokens, kv_dtype = run
-        states = "" if opts.ssm_dtype == "float32" else f", {opts.ssm_dtype} SSM states"
+        states = "" if ssm_dtype == "float32" else f", {ssm_dtype} SSM states"
         record = {"label": f"generate B{batch} prompt {prompt_length} +{new_tokens} "
                            f"{kv_dtype}{states}",
                   "impl": "ours", "mode": "generate", "batch": batch, "prompt": prompt_length,
-                  "new_tokens": new_tokens, "kv_dtype": kv_dtype, "ssm_dtype": opts.ssm_dtype,
+                  "new_tokens": new_tokens, "kv_dtype": kv_dtype, "ssm_dtype": ssm_dtype,
                   "prefill_tokens": opts.prefill_tokens or generation.PREFILL_TOKENS}
         record = _harness.measured_record(
-            record, functools.partial(measure_generate, run, opts), uses_torch=False)
+            record, functools.partial(measure_generate, run, ssm_dtype, opts), uses_torch=False)
         decode = record.get("decode_tokens_per_s")
         print(record["label"] + ": " + (
             f"prefill {record['prefill_tokens_per_s']:,.0f} tokens/s, decode "
@@ -739,8 +740,9 @@ def parse_args(argv=None):
                         help="also time HybridLM.generate on the 1.1B model: every run of "
                              "GENERATE_RUNS, or those named as B<batch>:<kv dtype>, comma "
                              "separated (B64:bfloat16)")
-    parser.add_argument("--ssm-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="generate's ssm_dtype (the Mamba2 states' storage)")
+    parser.add_argument("--ssm-dtypes", type=_harness.comma_list(str), default=["float32"],
+                        help="generate's ssm_dtype (the Mamba2 states' storage), each of "
+                             "float32,bfloat16 named (comma separated) timed in turn")
     parser.add_argument("--prefill-tokens", type=int, default=None,
                         help="generate's prefill_tokens (prompt tokens a prefill group holds; "
                              "default flax_layers.generation.PREFILL_TOKENS)")
@@ -760,6 +762,8 @@ def parse_args(argv=None):
     runs = {run_name(run) for run in GENERATE_RUNS + GENERATE_QUICK}
     if args.generate not in (None, "all") and not set(args.generate.split(",")) <= runs:
         parser.error(f"--generate names runs of {sorted(runs)}, got {args.generate}")
+    if not args.ssm_dtypes or not set(args.ssm_dtypes) <= {"float32", "bfloat16"}:
+        parser.error(f"--ssm-dtypes names float32 and/or bfloat16, got {args.ssm_dtypes}")
     if args.prefill_tokens is not None and args.prefill_tokens < 1:
         parser.error(f"--prefill-tokens must be >= 1, got {args.prefill_tokens}")
     if args.quick:
