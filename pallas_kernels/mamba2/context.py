@@ -6,7 +6,10 @@ zero and m, per head, the decay of a state carried through the whole shard (0 wh
 starts inside it), the devices all-gather (F, m) and the sequence ids at the shard edges,
 state-sized, and each chains them in the same order (`enter`): the state entering shard i is
 
-    h_0 = initial_states,  h_{i+1} = [seq continues across the edge] (F_i + m_i h_i).
+    h_0 = initial_states,  h_{i+1} = [seq continues across the edge] (F_i + m_i h_i),
+
+with m_i h_i taken as 0, by a select, where a sequence starts inside shard i: a NaN or inf of
+one packed sequence never reaches another's (0 * NaN would).
 
 Two ways to use it:
 
@@ -64,37 +67,48 @@ def state_passing(compute, axis_name, parts, x, dt, A, B, C, D, z, dt_bias, init
         edges = shard_edges(seq_idx, batch)
     entering, state = enter(axis_name, parts, final0, decay[:, -1], edges, state)
 
-    per_group = heads // groups  # C . h in C's dtype, accumulated in float32, as the kernels do
+    # C . h in C's dtype, accumulated in float32 (as the kernels do) or float64. Only the tokens
+    # before the shard's first sequence change see h: a select on both sides of the product, so
+    # that neither the output nor autodiff multiplies another sequence's NaN by zero.
+    per_group = heads // groups
+    token_carried = carried[:, :, None, None]
     carried_out = jnp.einsum(
-        "btgn,bgkpn->btgkp", C,
+        "btgn,bgkpn->btgkp", jnp.where(token_carried, C, 0),
         entering.reshape(batch, groups, per_group, head_dim, state_dim).astype(C.dtype),
-        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.promote_types(jnp.float32, C.dtype),
     ).astype(dtype).reshape(x.shape) * decay[..., None]
+    carried_out = jnp.where(token_carried, carried_out, 0.0)
     if z is not None:
         carried_out = carried_out * jax.nn.silu(z.astype(dtype))
     return (y0.astype(dtype) + carried_out).astype(x.dtype), state
 
 
 def shard_edges(seq_idx, batch):
-    """(b, 2) int32: the sequence ids of a shard's first and last tokens (zeros without
-    seq_idx: one sequence)."""
+    """(b, 3) in the ids' integer dtype (compared at their own width): the sequence ids of a
+    shard's first and last tokens, and 1 where the shard holds one sequence (no sequence starts
+    inside it), 0 otherwise. Without seq_idx, (0, 0, 1): one sequence."""
     if seq_idx is None:
-        return jnp.zeros((batch, 2), jnp.int32)
-    return jnp.stack([seq_idx[:, 0], seq_idx[:, -1]], axis=1).astype(jnp.int32)
+        return jnp.tile(jnp.array([0, 0, 1], jnp.int32), (batch, 1))
+    whole = jnp.all(seq_idx == seq_idx[:, :1], axis=1).astype(seq_idx.dtype)
+    return jnp.stack([seq_idx[:, 0], seq_idx[:, -1], whole], axis=1)
 
 
 def enter(axis_name, parts, final0, through, edges, initial_states):
     """(the state entering this device's shard, the state after the sequence's last token, the
     same on every device), chained from every shard's (final0 (b, H, P, N): its final state
-    entered with zero; through (b, H): m; edges (b, 2): its first and last sequence ids) and
-    `initial_states` (b, H, P, N), in their dtype."""
+    entered with zero; through (b, H): m; edges (b, 3): `shard_edges`) and `initial_states`
+    (b, H, P, N), in their dtype."""
     finals, through, edges = jax.tree.map(lambda a: jax.lax.all_gather(a, axis_name),
                                           (final0, through, edges))  # (n, b, ...)
     state = initial_states.astype(final0.dtype)
     entering = []
     for i in range(parts):
         entering.append(state)
-        state = finals[i] + through[i][:, :, None, None] * state
+        # A sequence starting inside the shard drops the state entering it (selected, so that
+        # neither a NaN in it nor its gradient meets a zero factor).
+        kept = jnp.where((edges[i, :, 2] == 1)[:, None, None, None], state, 0.0)
+        state = finals[i] + through[i][:, :, None, None] * kept
         if i + 1 < parts:
             continues = edges[i, :, 1] == edges[i + 1, :, 0]
             state = jnp.where(continues[:, None, None, None], state, 0.0)
@@ -106,7 +120,7 @@ def kernel_state_passing(config, axis_name, parts, x, dt, dt_bias, A, B, C, D, z
                          edges):
     """(y, final) of one device's shard of the padded SSD inputs of `api._ssd` (A the decay
     rates, seq the sequence runs or None), the sequence over mesh axis `axis_name` of `parts`
-    devices; edges (b, 2) int32: the shard's first and last sequence ids (`shard_edges`).
+    devices; edges (b, 3): the shard's sequence ids at its ends (`shard_edges`).
     `final` is the state after the sequence's last token, the same on every device. See the
     module docstring; second-order derivatives come from `reference_passing`, as `api._ssd`'s
     from its reference."""
@@ -152,9 +166,13 @@ def _start(h0, final0):
 
 def _through(dt_step, A, seq):
     """m (b, H) float32: the decay of a state carried through the whole shard, 0 where a
-    sequence starts inside it (seq: the sequence runs, 0 before the first change)."""
-    decay = jnp.exp(jnp.sum(dt_step, axis=2) * A[None, :])
-    return decay if seq is None else jnp.where(seq[:, -1:] == 0, decay, 0.0)
+    sequence starts inside it (seq: the sequence runs, 0 before the first change; selected on
+    both sides of the exponential, so that another sequence's NaN step stays out)."""
+    log_decay = jnp.sum(dt_step, axis=2) * A[None, :]
+    if seq is None:
+        return jnp.exp(log_decay)
+    whole = seq[:, -1:] == 0
+    return jnp.where(whole, jnp.exp(jnp.where(whole, log_decay, 0.0)), 0.0)
 
 
 def _passing_fwd(config, axis_name, parts, *arrays):

@@ -33,6 +33,13 @@ from pallas_kernels.mamba2 import semantics
 _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
 
+def _at_most_zero(v):
+    """v where v <= 0, else 0 (a log decay the recurrence clamps). A select, not a minimum,
+    so that the gradient at v == 0 (A == 0) passes whole, as the recurrence's does; a minimum
+    would halve it at the tie."""
+    return jnp.where(v > 0, 0.0, v)
+
+
 def _sums_restarting(values, starts):
     """Inclusive sums of values (b, nc, Q, ...) along axis 2 that restart wherever `starts`
     (broadcastable, bool) is true: selected, never subtracted, so a NaN stays in its run."""
@@ -276,8 +283,8 @@ def mamba_chunk_scan_combined(
     pairs = visible[..., None, None]  # against (b, nc, Q, Q, G, R)
 
     # Diagonal blocks: L[l, s] = exp(min(s_l - s_s, 0)) for s <= l within one sequence.
-    decay = jnp.exp(jnp.minimum(
-        jnp.where(pairs, cum[:, :, :, None] - cum[:, :, None, :], 0.0), 0.0))
+    decay = jnp.exp(_at_most_zero(
+        jnp.where(pairs, cum[:, :, :, None] - cum[:, :, None, :], 0.0)))
     cb = _einsum("bclgn,bcsgn->bclsg", C_c, B_c)[..., None]
     scores = (jnp.where(pairs, cb, 0.0) * jnp.where(pairs, decay, 0.0)
               * jnp.where(pairs, dt[:, :, None], 0.0))  # (b, nc, Q, Q, G, R)
@@ -285,13 +292,13 @@ def mamba_chunk_scan_combined(
 
     # Chunk states from the tokens of the chunk's last sequence, then the states passed on.
     last = per_token(in_last)
-    to_end = jnp.exp(jnp.minimum(jnp.where(last, cum_end[:, :, None] - cum, 0.0), 0.0))
+    to_end = jnp.exp(_at_most_zero(jnp.where(last, cum_end[:, :, None] - cum, 0.0)))
     to_end = jnp.where(last, to_end, 0.0) * jnp.where(last, dt, 0.0)
     x_end = jnp.where(last[..., None], x_c, 0.0)
     B_end = jnp.where(in_last[..., None, None], B_c, 0.0)
     chunk_states = _einsum("bcsgr,bcsgrp,bcsgn->bcgrpn", to_end, x_end, B_end)
     carries = (seq_end == seq_prev)[..., None, None]  # (b, nc, 1, 1): no sequence starts inside
-    carry = jnp.where(carries, jnp.exp(jnp.minimum(jnp.where(carries, cum_end, 0.0), 0.0)), 0.0)
+    carry = jnp.where(carries, jnp.exp(_at_most_zero(jnp.where(carries, cum_end, 0.0))), 0.0)
     if initial_states is None:
         state = jnp.zeros((batch, groups, per_group, head_dim, state_dim), dtype)
     else:
@@ -310,7 +317,7 @@ def mamba_chunk_scan_combined(
 
     # Carried-in contribution to the rows that continue the sequence live at the chunk start.
     first = per_token(continues)
-    from_start = jnp.exp(jnp.minimum(jnp.where(first, cum, 0.0), 0.0))
+    from_start = jnp.exp(_at_most_zero(jnp.where(first, cum, 0.0)))
     from_start = jnp.where(first, from_start, 0.0)
     C_first = jnp.where(continues[..., None, None], C_c, 0.0)
     carried = _einsum("bclgn,bcgrpn->bclgrp", C_first, states_in) * from_start[..., None]
@@ -339,7 +346,7 @@ def _sequence_states(cu_seqlens, states_in, cum, dt, x, B):
     mine = ((tokens >= start[:, None]) & (tokens <= last[:, None]))[..., None, None]
     cum, dt = cum[chunk], dt[chunk]  # (S, Q, G, R)
     cum_last = jnp.take_along_axis(cum, row[:, None, None, None], axis=1)  # (S, 1, G, R)
-    weight = jnp.exp(jnp.minimum(jnp.where(mine, cum_last - cum, 0.0), 0.0))
+    weight = jnp.exp(_at_most_zero(jnp.where(mine, cum_last - cum, 0.0)))
     weight = jnp.where(mine, weight, 0.0) * jnp.where(mine, dt, 0.0)
     x_mine = jnp.where(mine[..., None], x[chunk], 0.0)
     B_mine = jnp.where(mine[..., 0, None], B[chunk], 0.0)
@@ -347,7 +354,7 @@ def _sequence_states(cu_seqlens, states_in, cum, dt, x, B):
     # The state entering the chunk is the sequence's if it started before the chunk, or if it
     # holds token 0 (initial_states); never for an empty sequence.
     live = ((end > start) & ((start < chunk * chunk_size) | (start == 0)))[:, None, None]
-    carry = jnp.where(live, jnp.exp(jnp.minimum(jnp.where(live, cum_last[:, 0], 0.0), 0.0)), 0.0)
+    carry = jnp.where(live, jnp.exp(_at_most_zero(jnp.where(live, cum_last[:, 0], 0.0))), 0.0)
     carried = carry[..., None, None] * jnp.where(live[..., None, None], states_in[chunk], 0.0)
     states = states + carried
     return states.reshape(states.shape[0], -1, *states.shape[-2:])

@@ -117,6 +117,25 @@ def test_positive_A_under_jit_acts_as_zero(path):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_zero_A_gets_the_recurrence_gradient(path):
+    """A == 0 (no decay) sits where the reference clamps a positive log decay: the gradient
+    there is the recurrence's whole one, not half of it (a minimum splits it at the tie)."""
+    args = make_inputs(37, t=40, h=4)
+    args["A"] = jnp.array([0.0, -0.5, 0.7, -2.0], jnp.float32)
+
+    def d_a(fn):
+        def loss(a):
+            y, final = fn(**dict(args, A=a), chunk_size=CHUNK, dt_softplus=True,
+                          return_final_states=True)
+            return jnp.sum(jnp.sin(y)) + jnp.sum(final)
+        return np.asarray(jax.jit(jax.grad(loss))(args["A"]))
+
+    ours, want = d_a(PATHS[path]), d_a(ORACLE["recurrence"])
+    assert want[0] != 0 and want[2] == 0
+    np.testing.assert_allclose(ours, want, rtol=2e-4, atol=1e-4)
+
+
 # --------------------------------------------------------------------------------------------
 # seq_idx: a new sequence wherever the id changes, recurring ids included.
 
