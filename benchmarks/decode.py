@@ -251,7 +251,8 @@ def ours_splits(shape, int8=False):
 
     return tuning.plan(jax.devices()[0].device_kind, shape.batch, shape.kv_heads,
                        shape.pages_per_row * shape.page_size, shape.page_size,
-                       key_row_bytes=shape.head_dim * (1 if int8 else 2)).splits
+                       key_row_bytes=tuning.row_bytes(
+                           shape.head_dim, jnp.int8 if int8 else jnp.bfloat16)).splits
 
 
 def ours_builder(*, num_splits=None, int8=False):

@@ -7,8 +7,8 @@ the settings stored with it, and continues each prompt (bytes) through `HybridLM
 compiled call that prefills the prompts (FlashAttention and the chunked SSD on a GPU) and
 decodes in a `lax.while_loop`, sampling on the device (`--temperature`, `--top-k`, `--top-p`),
 with the KV caches in `--kv-dtype` and pages of `--page-size` tokens, the Mamba2 states in
-`--ssm-dtype`. Prompts of different
-lengths share the batch (`prompt_lengths`). `--batch` repeats the prompts to that many rows.
+`--ssm-dtype`. Prompts of different lengths share the batch (`prompt_lengths`). `--batch`
+repeats the prompts to that many rows.
 
 Prints the samples, then the throughput of the compiled call, timed again after compiling:
 prompt tokens/s from a call that generates one token (the prefill and its sample), decode

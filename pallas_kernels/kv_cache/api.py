@@ -92,7 +92,7 @@ def attention_with_kv_cache(
 
     plan = tuning.plan(_device.target()[0], batch, layout.kv_heads, layout.capacity,
                        layout.page_size, num_splits,
-                       key_row_bytes=_device.pow2_at_least(h) * k_cache.dtype.itemsize)
+                       key_row_bytes=tuning.row_bytes(h, k_cache.dtype))
     block_k = plan.blocks.block_k
     groups = n // layout.kv_heads
     static = forward.Static(

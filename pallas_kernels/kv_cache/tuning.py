@@ -9,6 +9,8 @@ on the GPU (benchmarks/decode.py).
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from pallas_kernels import _compat, _device
 
 
@@ -56,7 +58,7 @@ class Plan:
 def plan(device_kind, batch, kv_heads, capacity, page_size=None, num_splits=None, *,
          key_row_bytes):
     """The Plan of a call on `batch` rows of `capacity` keys over `kv_heads` heads, each key a
-    row of `key_row_bytes` in the cache (the padded head dim times the element's bytes): the
+    row of `key_row_bytes` in the cache (`row_bytes(head_dim, dtype)`): the
     table's tile, whose `block_k` is a whole number of pages for a paged cache (at least one) and
     divides a dense cache's capacity; `num_splits` or `splits_for`'s, at most one per block,
     rounded up to a power of two (the merge reads every split's partial as one array; the
@@ -75,6 +77,12 @@ def plan(device_kind, batch, kv_heads, capacity, page_size=None, num_splits=None
         blocks = dataclasses.replace(blocks, num_stages=1)
     return Plan(dataclasses.replace(blocks, block_k=block_k),
                 _device.pow2_at_least(_device.cdiv(total, per_split), minimum=1), per_split)
+
+
+def row_bytes(head_dim, dtype):
+    """The bytes of one key's row as the kernel reads it: the head dim padded to a power of
+    two, in the cache's element."""
+    return _device.pow2_at_least(head_dim) * jnp.dtype(dtype).itemsize
 
 
 def table(key_row_bytes):

@@ -166,13 +166,9 @@ def _start(h0, final0):
 
 def _through(dt_step, A, seq):
     """m (b, H) float32: the decay of a state carried through the whole shard, 0 where a
-    sequence starts inside it (seq: the sequence runs, 0 before the first change; selected on
-    both sides of the exponential, so that another sequence's NaN step stays out)."""
-    log_decay = jnp.sum(dt_step, axis=2) * A[None, :]
-    if seq is None:
-        return jnp.exp(log_decay)
-    whole = seq[:, -1:] == 0
-    return jnp.where(whole, jnp.exp(jnp.where(whole, log_decay, 0.0)), 0.0)
+    sequence starts inside it (seq: the sequence runs, 0 before the first change)."""
+    decay = jnp.exp(jnp.sum(dt_step, axis=2) * A[None, :])
+    return decay if seq is None else jnp.where(seq[:, -1:] == 0, decay, 0.0)
 
 
 def _passing_fwd(config, axis_name, parts, *arrays):
