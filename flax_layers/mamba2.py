@@ -26,8 +26,8 @@ from flax_layers._sharding import (
     logical_param,
     token_features,
 )
-from pallas_kernels import arguments
-from pallas_kernels.mamba2 import semantics
+from pallas_kernels import _dispatch, arguments
+from pallas_kernels.mamba2 import mixer, semantics
 
 
 def _uniform(bound):
@@ -248,6 +248,11 @@ class Mamba2(nnx.Module):
                 group_size=self.d_ssm // self.ngroups, norm_before_gate=self.norm_before_gate,
                 z_column_offset=2 * self.d_mlp,
                 implementation="xla" if features_sharded(y) else self.implementation)
+        return self._project(y, z, mlp)
+
+    def _project(self, y, z, mlp):
+        """out_proj of the normalised y (..., d_ssm), after the gated MLP's silu(z0) * x0 where
+        d_mlp > 0."""
         y = y.astype(jnp.float32)
         if self.d_mlp:
             z0, x0 = jnp.split(mlp.astype(jnp.float32), 2, axis=-1)
@@ -282,9 +287,34 @@ class Mamba2(nnx.Module):
                 y, new_states = self._prefill(z, xbc, dt, *states, lengths)
             self.conv_state[...], self.ssm_state[...] = new_states
         else:
+            if self._fuses(zxbcdt, seq_idx):
+                return self._project(self._fused_mixer(zxbcdt), z, mlp)
             history = jnp.zeros((u.shape[0], self.d_conv - 1, self.conv_dim), xbc.dtype)
             y, _ = self._scan(z, xbc, dt, history, None, seq_idx, caches=False, packed=zxbcdt)
         return self._norm_and_project(y, z, mlp, zxbcdt)
+
+    def _mixer_shape(self):
+        return mixer.MixerShape(d_ssm=self.d_ssm, ngroups=self.ngroups, d_state=self.d_state,
+                                nheads=self.nheads, norm_group_size=self.d_ssm // self.ngroups)
+
+    def _fuses(self, zxbcdt, seq_idx):
+        """Whether training's forward runs as one op (`mixer.split_conv_scan_norm`): the
+        kernels, off meshes, the gated norm, no gated MLP, no sequence ids."""
+        return (_dispatch.choose(self.implementation, None)[0] == "pallas" and self.rmsnorm
+                and not self.d_mlp and seq_idx is None and token_features(zxbcdt) is None
+                and mixer.applies(zxbcdt, self._mixer_shape()))
+
+    @jax.named_scope("conv_ssd_norm")
+    def _fused_mixer(self, zxbcdt):
+        """The gated norm's output (B, T, d_ssm) of in_proj's output, as `_scan` and the norm
+        compute it, with a backward that writes in_proj's gradient in place."""
+        return mixer.split_conv_scan_norm(
+            zxbcdt, self.conv_weight[...],
+            None if self.conv_bias is None else self.conv_bias[...], self.dt_bias[...],
+            -jnp.exp(self.A_log[...]), self._d(), self.norm_weight[...],
+            shape=self._mixer_shape(), chunk_size=self.chunk_size, dt_limit=self.dt_limit,
+            norm_eps=self.norm_eps, norm_before_gate=self.norm_before_gate,
+            interpret=_dispatch.choose(self.implementation, None)[1])
 
     def _scan(self, z, xbc, dt, history, initial_states, seq_idx=None, *, caches=True,
               step_sizes=False, packed=None):

@@ -53,6 +53,8 @@ HOT = {
     "decode": (r"attention_with_kv_cache",),
     "norm": (r"rms_norm_gated_forward", r"rms_norm_gated_backward"),
     "conv": (r"causal_conv1d_forward", r"causal_conv1d_backward"),
+    "mixer": (r"ssd_forward_output", r"rms_norm_gated_forward", r"rms_norm_gated_backward",
+              r"causal_conv1d_forward", r"causal_conv1d_backward"),
 }
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from pallas_kernels import _compat
+from pallas_kernels.mamba2 import mixer
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 # Target name -> (abstract device kind, lowering platform).
@@ -171,6 +172,27 @@ def _conv():
     return "conv", train_step, (zxbcdt, weight, bias)
 
 
+def _mixer():
+    """The fused Mamba2 mixer (`mixer.split_conv_scan_norm`) forward and backward (vjp) at the
+    zamba2-like shape: in_proj's output B 2 x T 4096 x 8384 (z 4096, xBC 4096 + 2 x 64, dt 64
+    heads of 64), bf16; float32 parameters."""
+    shape = mixer.MixerShape(d_ssm=4096, ngroups=1, d_state=64, nheads=64,
+                             norm_group_size=4096)
+    f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    args = (jax.ShapeDtypeStruct((2, 4096, shape.width), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4, shape.conv_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((shape.conv_dim,), jnp.bfloat16), f32((64,)), f32((64,)),
+            f32((64,)), f32((4096,)))
+
+    def train_step(*args):
+        out, vjp = jax.vjp(functools.partial(
+            mixer.split_conv_scan_norm, shape=shape, chunk_size=256, dt_limit=(0.0, jnp.inf),
+            norm_eps=1e-5, norm_before_gate=False, interpret=False), *args)
+        return out, vjp(out)
+
+    return "mixer", train_step, args
+
+
 # Name -> make() returning (family, fn, args), args jax.ShapeDtypeStructs.
 CASES = {
     **{f"attn-h{hd}-{f}": _attention(hd, feature=f)
@@ -190,6 +212,7 @@ CASES = {
     "norm-gated-d4096": _norm(4096, False, z_width=8384),
     "norm-gated-d8192-g8": _norm(8192, True, group_size=1024),
     "conv-mixer": _conv,
+    "mamba2-mixer": _mixer,
 }
 
 

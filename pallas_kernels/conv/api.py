@@ -90,17 +90,14 @@ def causal_conv1d(
                                       initial_seq_idx, activation)
         return _parts(out, split)
     placement = _sharding.find("x", x, sharding, feature_dims=(2,))
-    # A program's channel block must lie inside the columns read and inside one output part.
-    block_c = max(tuning.FORWARD.block_c, tuning.BACKWARD.block_c)  # powers of two
-    in_place = placement is None and column_offset is not None and column_offset % block_c == 0
+    in_place = (placement is None and column_offset is not None
+                and column_offset % CHANNEL_BLOCK == 0)
     if column_offset is not None and not in_place:
         x = x[..., column_offset:column_offset + c]
-    static = forward.Static(
-        width=width, channels=c, history_rows=_device.pow2_at_least(width - 1, minimum=1),
-        silu=activation == "silu", initial_states=given_states,
-        forward_tiles=tuning.FORWARD, backward_tiles=tuning.BACKWARD, interpret=interpret,
+    static = kernel_static(
+        width, c, silu=activation == "silu", initial_states=given_states, interpret=interpret,
         column_offset=column_offset if in_place else 0,
-        split=split if placement is None and split is not None and split % block_c == 0
+        split=split if placement is None and split is not None and split % CHANNEL_BLOCK == 0
         else None)
     if placement is None:
         out = _conv(static, x, weight, bias, initial_states)
@@ -116,20 +113,35 @@ def causal_conv1d(
     return _parts(out, split)
 
 
-def _parts(out, split):
-    """out (B, T, C) whole (split None), or its channels [0, split) and [split, C)."""
-    return out if split is None else (out[..., :split], out[..., split:])
+# A program's channel block must lie inside the columns read and inside one output part: an
+# in-place column offset and a split are multiples of this (powers of two).
+CHANNEL_BLOCK = max(tuning.FORWARD.block_c, tuning.BACKWARD.block_c)
 
 
-def _padded_history(initial_states, static):
+def kernel_static(width, channels, *, silu, initial_states, interpret, column_offset=0,
+                  split=None):
+    """The kernels' `forward.Static` for a (W, C) weight."""
+    return forward.Static(
+        width=width, channels=channels, history_rows=_device.pow2_at_least(width - 1, minimum=1),
+        silu=silu, initial_states=initial_states, forward_tiles=tuning.FORWARD,
+        backward_tiles=tuning.BACKWARD, interpret=interpret, column_offset=column_offset,
+        split=split)
+
+
+def padded_history(initial_states, static):
     """(B, W - 1, C) -> (B, history_rows, C), zero rows first."""
     pad = static.history_rows - initial_states.shape[1]
     return jnp.pad(initial_states, ((0, 0), (pad, 0), (0, 0)))
 
 
+def _parts(out, split):
+    """out (B, T, C) whole (split None), or its channels [0, split) and [split, C)."""
+    return out if split is None else (out[..., :split], out[..., split:])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _conv(static, x, weight, bias, initial_states):
-    return forward.convolve(x, weight, bias, _padded_history(initial_states, static),
+    return forward.convolve(x, weight, bias, padded_history(initial_states, static),
                             static=static)
 
 
@@ -140,7 +152,7 @@ def _conv_fwd(static, x, weight, bias, initial_states):
 def _conv_bwd(static, residuals, dout):
     x, weight, bias, initial_states = residuals
     dx, dweight, dbias = backward.gradients(
-        x, weight, bias, _padded_history(initial_states, static), dout, static=static)
+        x, weight, bias, padded_history(initial_states, static), dout, static=static)
     # x wider than the conv (read in place): zeros outside its channels.
     offset = static.column_offset
     dx = jnp.pad(dx, ((0, 0), (0, 0), (offset, x.shape[2] - offset - static.channels)))

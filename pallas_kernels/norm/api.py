@@ -76,20 +76,15 @@ def rms_norm_gated(
     norm_before_gate = _dispatch.check_bool("norm_before_gate", norm_before_gate)
     implementation, interpret = _dispatch.choose(implementation, interpret)
     options = dict(eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
-    if (implementation == "xla" or x.dtype == jnp.float64
-            or _device.pow2_at_least(group_size, minimum=1) != group_size
-            or group_size > tuning.MAX_GROUP):
+    if implementation == "xla" or not kernels_apply(x.dtype, group_size):
         if in_place:
             z = z[..., z_column_offset:z_column_offset + channels]
         return reference.rms_norm_gated(x, weight, z, **options)
 
     def local(x, weight, z):
         rows = x.size // channels
-        static = forward.Static(
-            group_size=group_size, eps=eps, gated=z is not None,
-            norm_before_gate=norm_before_gate,
-            tiles=tuning.tiles(_device.target()[0], rows, group_size), interpret=interpret,
-            z_offset=z_column_offset // group_size if in_place else 0)
+        static = kernel_static(rows, z is not None, z_column_offset // group_size
+                               if in_place else 0, interpret=interpret, **options)
         flat = None if z is None else z.reshape(rows, z.shape[-1])
         return _norm(static, x.reshape(rows, channels), weight, flat).reshape(x.shape)
 
@@ -103,6 +98,21 @@ def rms_norm_gated(
     tokens = PartitionSpec(placement.batch, placement.sequence, None)
     return _sharding.run(placement, local, (x, weight, z), (tokens, PartitionSpec(None), tokens),
                          tokens)
+
+
+def kernels_apply(dtype, group_size):
+    """Whether the kernels normalise groups of `group_size` channels of `dtype` (else the
+    reference does)."""
+    return (dtype != jnp.float64 and group_size <= tuning.MAX_GROUP
+            and _device.pow2_at_least(group_size, minimum=1) == group_size)
+
+
+def kernel_static(rows, gated, z_offset, *, eps, group_size, norm_before_gate, interpret):
+    """The kernels' `forward.Static` for `rows` rows (z read from group `z_offset`)."""
+    return forward.Static(
+        group_size=group_size, eps=eps, gated=gated, norm_before_gate=norm_before_gate,
+        tiles=tuning.tiles(_device.target()[0], rows, group_size), interpret=interpret,
+        z_offset=z_offset)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

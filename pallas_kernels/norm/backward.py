@@ -58,9 +58,11 @@ def _backward_kernel(refs, *, static):
         first, last, tile, jnp.zeros((static.group_size,), jnp.float32))
 
 
-def gradients(x, weight, z, dout, *, static):
+def gradients(x, weight, z, dout, *, static, dz_in_place=False):
     """(dx, dz (M, D) or None, dweight) of `forward.normalise` at x (M, D), weight (D,), z (M,
-    D_z) (x's channels from group `z_offset`) or None, given dout (M, D); dweight float32."""
+    D_z) (x's channels from group `z_offset`) or None, given dout (M, D); dweight float32.
+    `dz_in_place`: dz is (M, D_z) instead, written only in x's channels (the others are left
+    unwritten, for a caller that writes them: the Mamba2 mixer's packed gradient)."""
     rows, channels = x.shape
     groups = channels // static.group_size
     programs = _device.cdiv(rows // static.tiles.block_rows, static.tiles.backward_blocks)
@@ -72,14 +74,16 @@ def gradients(x, weight, z, dout, *, static):
               .add("z", z_column, z)
               .add("dout", column, dout)
               .add("weight", pl.BlockSpec((static.group_size,), lambda p, g: (g,)), weight))
+    dz = None if z is None else (jax.ShapeDtypeStruct(z.shape, z.dtype) if dz_in_place
+                                 else jax.ShapeDtypeStruct(x.shape, z.dtype))
     outputs = (Operands()
                .add("dx", column, jax.ShapeDtypeStruct(x.shape, x.dtype))
-               .add("dz", column, None if z is None else jax.ShapeDtypeStruct(x.shape, z.dtype))
+               .add("dz", z_column if dz_in_place else column, dz)
                .add("dweight", pl.BlockSpec((None, static.group_size), lambda p, g: (p, g)),
                     jax.ShapeDtypeStruct((programs, channels), jnp.float32)))
     result = _operands.call(
         functools.partial(_backward_kernel, static=static), inputs, outputs,
         grid=(programs, groups), num_warps=static.tiles.backward_warps,
         num_stages=static.tiles.backward_stages,
-        interpret=static.interpret, name="rms_norm_gated_backward", windows=("z",))
+        interpret=static.interpret, name="rms_norm_gated_backward", windows=("z", "dz"))
     return result["dx"], result.get("dz"), jnp.sum(result["dweight"], axis=0)

@@ -44,21 +44,27 @@ def test_pallas_and_xla_agree_with_parameter_gradients():
 def test_conv_and_norm_read_in_proj_output_in_place(d_model, d_ssm):
     """Where xBC's first column and d_ssm are multiples of 128, the conv kernels take
     in_proj's output whole and write x and [B, C] apart, and the norm kernels read z from it
-    (no copies); the layer's outputs and gradients equal the reference's."""
+    (no copies); without a gated MLP the three run as one op (`mixer.split_conv_scan_norm`)
+    from in_proj's output to the norm's. The layer's outputs and gradients equal the
+    reference's."""
     u = jax.random.normal(jax.random.key(4), (2, 40, d_model))
     layers = [Mamba2(d_model, d_ssm=d_ssm, implementation=implementation, rngs=nnx.Rngs(5),
                      **SMALL) for implementation in ("pallas", "xla")]
     layer = layers[0]
-    calls = [eqn for eqn in jax.make_jaxpr(lambda u: layer(u))(u).jaxpr.eqns
-             if eqn.primitive.name == "custom_vjp_call"
+    eqns = jax.make_jaxpr(lambda u: layer(u))(u).jaxpr.eqns
+    calls = [eqn for eqn in eqns if eqn.primitive.name == "custom_vjp_call"
              and eqn.invars[0].aval.shape == (2, 40, layer.in_proj.out_features)]
-    assert [[v.aval.shape for v in eqn.outvars] for eqn in calls] == [
-        [(2, 40, layer.d_ssm), (2, 40, 2 * layer.d_state)]]
-    # The norm flattens its rows: z, its third operand, is in_proj's output reshaped.
-    norms = [eqn for eqn in jax.make_jaxpr(lambda u: layer(u))(u).jaxpr.eqns
-             if eqn.primitive.name == "custom_vjp_call" and len(eqn.invars) >= 3
-             and eqn.invars[2].aval.shape == (80, layer.in_proj.out_features)]
-    assert len(norms) == 1
+    if layer.d_mlp:
+        assert [[v.aval.shape for v in eqn.outvars] for eqn in calls] == [
+            [(2, 40, layer.d_ssm), (2, 40, 2 * layer.d_state)]]
+        # The norm flattens its rows: z, its third operand, is in_proj's output reshaped.
+        norms = [eqn for eqn in eqns
+                 if eqn.primitive.name == "custom_vjp_call" and len(eqn.invars) >= 3
+                 and eqn.invars[2].aval.shape == (80, layer.in_proj.out_features)]
+        assert len(norms) == 1
+    else:
+        assert [[v.aval.shape for v in eqn.outvars] for eqn in calls] == [
+            [(2, 40, layer.d_ssm)]]
 
     def loss(layer):
         y = layer(u)

@@ -42,3 +42,16 @@ def test_ssd_lowers_to_triton(case, target):
     assert target in TARGETS
     _, lowered = lower(case, target)
     assert lowered.as_text().count(TRITON_CALL) == EXPECTED[case, target]
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_fused_mixer_lowers_to_the_three_ops_kernels(target):
+    """The fused mixer (`mamba2-mixer`): the conv's and the norm's two kernels each, the SSD's,
+    and in_proj's gradient assembled by dynamic-update-slices."""
+    _, lowered = lower("mamba2-mixer", target)
+    text = lowered.as_text()
+    for kernel in ("causal_conv1d_forward", "causal_conv1d_backward", "rms_norm_gated_forward",
+                   "rms_norm_gated_backward", "ssd_forward_output", "ssd_chunk_gradients"):
+        assert kernel in text, kernel
+    assert text.count(TRITON_CALL) == 4 + _TRITON_CALLS + 1  # the T 4096 walks take unit sums
+    assert "dynamic_update_slice" in text

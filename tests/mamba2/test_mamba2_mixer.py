@@ -1,0 +1,144 @@
+"""The fused Mamba2 mixer (`mixer.split_conv_scan_norm`: conv, SSD and gated norm from in_proj's
+packed output, with the packed gradient assembled in place): the kernels in interpret mode on
+CPU against the three public ops run as the reference in float64, forward and every gradient;
+bit for bit against the three ops' kernels run one after another; which calls the Mamba2 layer
+sends through it."""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from numerics import rel_error
+
+import flax_layers
+import pallas_kernels
+from pallas_kernels.mamba2 import mixer
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+# (id, B, T, d_ssm, G, N, H, conv bias, D per channel, norm_before_gate, norm groups, dtype)
+CASES = [
+    ("mixer-bf16", 2, 77, 128, 1, 16, 4, True, False, False, 1, BF16),
+    ("groups-f32", 1, 70, 256, 2, 32, 8, False, True, True, 2, F32),
+]
+
+
+def _arrays(case):
+    name, b, t, d, g, n, h, bias, d_per_channel, _, _, dtype = case
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    shape = _shape(case)
+    arrays = dict(
+        zxbcdt=rng.standard_normal((b, t, shape.width)),
+        conv_weight=rng.standard_normal((4, shape.conv_dim)) * 0.5,
+        conv_bias=rng.standard_normal(shape.conv_dim) * 0.5 if bias else None,
+        dt_bias=rng.uniform(-3.0, -1.0, h),
+        A=-rng.uniform(0.5, 4.0, h),
+        D=rng.standard_normal((h, d // h) if d_per_channel else h),
+        norm_weight=1.0 + 0.3 * rng.standard_normal(d),
+    )
+    # Parameters float32 as the layer keeps them; activations in the case's dtype.
+    return {k: None if v is None else jnp.asarray(v, dtype if k == "zxbcdt" else F32)
+            for k, v in arrays.items()}
+
+
+def _shape(case):
+    _, _, _, d, g, n, h, _, _, _, norm_groups, _ = case
+    return mixer.MixerShape(d_ssm=d, ngroups=g, d_state=n, nheads=h,
+                            norm_group_size=d // norm_groups)
+
+
+def _options(case):
+    return dict(chunk_size=32, dt_limit=(0.0, float("inf")), norm_eps=1e-5,
+                norm_before_gate=case[9])
+
+
+def _composed(case, implementation, zxbcdt, conv_weight, conv_bias, dt_bias, A, D,
+              norm_weight):
+    """The three public ops one after another on the packed array's slices."""
+    shape, options = _shape(case), _options(case)
+    b, t = zxbcdt.shape[:2]
+    d, gn = shape.d_ssm, shape.ngroups * shape.d_state
+    run = dict(implementation=implementation, interpret=True)
+    xbc = pallas_kernels.causal_conv1d(
+        zxbcdt[..., d:d + shape.conv_dim], conv_weight.astype(zxbcdt.dtype),
+        None if conv_bias is None else conv_bias.astype(zxbcdt.dtype), **run)
+    groups = (b, t, shape.ngroups, shape.d_state)
+    y = pallas_kernels.mamba_chunk_scan_combined(
+        xbc[..., :d].reshape(b, t, shape.nheads, -1), zxbcdt[..., d + shape.conv_dim:], A,
+        xbc[..., d:d + gn].reshape(groups), xbc[..., d + gn:].reshape(groups),
+        options["chunk_size"], D=D, dt_bias=dt_bias, dt_softplus=True,
+        dt_limit=options["dt_limit"], **run)
+    return pallas_kernels.rms_norm_gated(
+        y.reshape(b, t, d), norm_weight, zxbcdt[..., :d], eps=options["norm_eps"],
+        group_size=shape.norm_group_size, norm_before_gate=options["norm_before_gate"], **run)
+
+
+def _fused(case, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight):
+    return mixer.split_conv_scan_norm(
+        zxbcdt, conv_weight.astype(zxbcdt.dtype),
+        None if conv_bias is None else conv_bias.astype(zxbcdt.dtype), dt_bias, A, D,
+        norm_weight, shape=_shape(case), interpret=True, **_options(case))
+
+
+def _gradients(fn, arrays, dout):
+    names = [k for k, v in arrays.items() if v is not None]
+
+    def call(*values):
+        return fn(**{**arrays, **dict(zip(names, values, strict=True))})
+
+    out, pullback = jax.vjp(call, *(arrays[k] for k in names))
+    return out, dict(zip(names, pullback(dout), strict=True))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_forward_and_every_gradient_match_the_ops_in_float64(case):
+    arrays = _arrays(case)
+    dtype = case[-1]
+    assert mixer.applies(arrays["zxbcdt"], _shape(case))
+    dout = jnp.asarray(np.random.default_rng(7).standard_normal(
+        (*arrays["zxbcdt"].shape[:2], case[3])), dtype)
+    out, grads = _gradients(functools.partial(_fused, case), arrays, dout)
+    with jax.enable_x64(True):
+        wide = {k: None if v is None else jnp.asarray(np.asarray(v, np.float64))
+                for k, v in arrays.items()}
+        want, want_grads = _gradients(functools.partial(_composed, case, "xla"), wide,
+                                      jnp.asarray(np.asarray(dout, np.float64)))
+    tolerance = 3e-2 if dtype == BF16 else 1e-4
+    assert out.dtype == dtype and rel_error(out, want) < tolerance
+    for name, g in grads.items():
+        assert g.dtype == arrays[name].dtype, name
+        assert rel_error(g, want_grads[name]) < tolerance, name
+
+
+def test_bitwise_equal_to_the_ops_kernels():
+    """The fused op only moves where the packed gradient is written: its values and gradients
+    are the three ops' kernels' bit for bit."""
+    case = CASES[0]
+    arrays = _arrays(case)
+    dout = jnp.asarray(np.random.default_rng(8).standard_normal(
+        (*arrays["zxbcdt"].shape[:2], case[3])), case[-1])
+    out, grads = _gradients(functools.partial(_fused, case), arrays, dout)
+    want, want_grads = _gradients(functools.partial(_composed, case, "pallas"), arrays, dout)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    for name, g in grads.items():
+        np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                      np.asarray(want_grads[name], np.float32), err_msg=name)
+
+
+@pytest.mark.parametrize("kwargs, fuses", [
+    (dict(implementation="pallas"), True),
+    (dict(implementation="xla"), False),
+    (dict(implementation="pallas", rmsnorm=False), False),
+    (dict(implementation="pallas", d_ssm=64), False),  # a gated MLP beside the SSM
+    (dict(implementation="pallas", headdim=16, expand=1), False),  # d_ssm 64: not on a block
+])
+def test_which_layers_fuse(kwargs, fuses):
+    layer = flax_layers.Mamba2(64, d_state=16, **{"headdim": 32, **kwargs}, rngs=nnx.Rngs(0))
+    zxbcdt = jnp.zeros((1, 8, layer.in_proj.kernel.shape[1]), BF16)
+    assert layer._fuses(zxbcdt, None) == fuses
+    if fuses:
+        assert not layer._fuses(zxbcdt, jnp.zeros((1, 8), jnp.int32))  # sequence ids
