@@ -9,7 +9,7 @@ writes the whole gradient (0.32 ms a layer at the zamba2-like shape on an H100, 
 conv backward's kernel). Here the backward assembles that gradient where it lies: the norm's
 backward kernel writes dz into its columns of a new (B, T, d_in_proj) array (`dz_in_place`),
 and the conv's dx and the SSD's ddt are written into theirs by dynamic-update-slices, which
-XLA runs in place.
+XLA runs in place (0.16 ms a layer; `benchmarks/REPORT.md`, "d(zxbcdt) where it lies").
 
 Forward: the conv kernels read xBC's columns in place and write x and [B, C] apart
 (`conv.forward.convolve`), the SSD (`mamba_chunk_scan_combined`, its own custom_vjp, whose
@@ -115,7 +115,7 @@ def _scan(static, x, bc, dt, dt_bias, A, D):
 
 def _forward(static, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, *,
              differentiated):
-    """(out, residuals or None)."""
+    """(out, residuals); the SSD's pullback in them only where `differentiated`."""
     shape = static.shape
     conv, norm = _statics(static, zxbcdt, conv_weight)
     x, bc = conv_forward.convolve(zxbcdt, conv_weight, conv_bias,
