@@ -287,34 +287,33 @@ class Mamba2(nnx.Module):
                 y, new_states = self._prefill(z, xbc, dt, *states, lengths)
             self.conv_state[...], self.ssm_state[...] = new_states
         else:
-            if self._fuses(zxbcdt, seq_idx):
-                return self._project(self._fused_mixer(zxbcdt), z, mlp)
+            y = self._fused_mixer(zxbcdt, seq_idx)
+            if y is not None:
+                return self._project(y, z, mlp)
             history = jnp.zeros((u.shape[0], self.d_conv - 1, self.conv_dim), xbc.dtype)
             y, _ = self._scan(z, xbc, dt, history, None, seq_idx, caches=False, packed=zxbcdt)
         return self._norm_and_project(y, z, mlp, zxbcdt)
 
-    def _mixer_shape(self):
-        return mixer.MixerShape(d_ssm=self.d_ssm, ngroups=self.ngroups, d_state=self.d_state,
-                                nheads=self.nheads, norm_group_size=self.d_ssm // self.ngroups)
-
-    def _fuses(self, zxbcdt, seq_idx):
-        """Whether training's forward runs as one op (`mixer.split_conv_scan_norm`): the
-        kernels, off meshes, the gated norm, no gated MLP, no sequence ids."""
-        return (_dispatch.choose(self.implementation, None)[0] == "pallas" and self.rmsnorm
-                and not self.d_mlp and seq_idx is None and token_features(zxbcdt) is None
-                and mixer.applies(zxbcdt, self._mixer_shape()))
-
     @jax.named_scope("conv_ssd_norm")
-    def _fused_mixer(self, zxbcdt):
+    def _fused_mixer(self, zxbcdt, seq_idx):
         """The gated norm's output (B, T, d_ssm) of in_proj's output, as `_scan` and the norm
-        compute it, with a backward that writes in_proj's gradient in place."""
+        compute it, by one op whose backward writes in_proj's gradient in place
+        (`mixer.split_conv_scan_norm`); None where that op does not apply: it runs the kernels,
+        off meshes, with the gated norm, no gated MLP and no sequence ids."""
+        implementation, interpret = _dispatch.choose(self.implementation, None)
+        shape = mixer.MixerShape(d_ssm=self.d_ssm, ngroups=self.ngroups, d_state=self.d_state,
+                                 nheads=self.nheads, norm_group_size=self.d_ssm // self.ngroups)
+        if not (implementation == "pallas" and self.rmsnorm and not self.d_mlp
+                and seq_idx is None and token_features(zxbcdt) is None
+                and mixer.applies(zxbcdt, shape)):
+            return None
         return mixer.split_conv_scan_norm(
             zxbcdt, self.conv_weight[...],
             None if self.conv_bias is None else self.conv_bias[...], self.dt_bias[...],
             -jnp.exp(self.A_log[...]), self._d(), self.norm_weight[...],
-            shape=self._mixer_shape(), chunk_size=self.chunk_size, dt_limit=self.dt_limit,
+            shape=shape, chunk_size=self.chunk_size, dt_limit=self.dt_limit,
             norm_eps=self.norm_eps, norm_before_gate=self.norm_before_gate,
-            interpret=_dispatch.choose(self.implementation, None)[1])
+            interpret=interpret)
 
     def _scan(self, z, xbc, dt, history, initial_states, seq_idx=None, *, caches=True,
               step_sizes=False, packed=None):

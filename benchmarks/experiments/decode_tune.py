@@ -22,22 +22,36 @@ from benchmarks import _timing, decode
 from pallas_kernels import _device
 from pallas_kernels.kv_cache import tuning
 
-TILES = [tuning.DecodeBlocks(*tile) for tile in itertools.product(
-    (32, 64, 128), (4, 8), (2, 3, 4))]  # block_k, warps, stages
+# The tile's choices (block_k, warps, stages), each a --flag of comma-separated integers.
+BLOCK_KS, WARPS, STAGES = (32, 64, 128), (4, 8), (2, 3, 4)
 # The long row: every tile at the op's splits, then these splits at 4 warps and 3 stages.
 LONG_SPLITS = (64, 128, 256, 512)
+
+
+def _ints(text):
+    return tuple(int(item) for item in text.split(","))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--shapes", default="gqa,mha,long")
+    parser.add_argument("--block-ks", type=_ints, default=BLOCK_KS)
+    parser.add_argument("--warps", type=_ints, default=WARPS)
+    parser.add_argument("--stages", type=_ints, default=STAGES)
+    parser.add_argument("--splits", default="",
+                        help="comma-separated splits every tile also runs at, besides the op's")
+    parser.add_argument("--dtypes", default="bfloat16,int8")
     parser.add_argument("--quick", action="store_true",
                         help="CPU smoke test: decode.py's tiny shapes, interpret mode, 2 tiles")
     args = parser.parse_args()
     family = _device.family(jax.devices()[0].device_kind)
     copy_gbs = decode.copy_bandwidth(1 / 64 if args.quick else 1.0)["gbps"]
-    tiles = TILES[:2] if args.quick else TILES
+    tiles = [tuning.DecodeBlocks(*tile) for tile in itertools.product(
+        args.block_ks, args.warps, args.stages)]
+    tiles = tiles[:2] if args.quick else tiles
+    extra_splits = _ints(args.splits) if args.splits else ()
+    int8s = [dtype == "int8" for dtype in args.dtypes.split(",")]
     with open(args.out, "a") as log:
         for name in args.shapes.split(","):
             sweep, head_dim = ((decode.QUICK_SWEEP, decode.QUICK_HEAD_DIM) if args.quick
@@ -47,11 +61,11 @@ def main():
             q, k_pages, v_pages, table, seqlens = inputs[:5]
             (k8, k_scale), (v8, v_scale) = decode.quantise_int8(k_pages), decode.quantise_int8(
                 v_pages)
-            configs = [(tile, None) for tile in tiles]
+            configs = [(tile, splits) for tile in tiles for splits in (None, *extra_splits)]
             if name == "long":
                 configs += [(tuning.DecodeBlocks(bk, 4, 3), s)
                             for bk, s in itertools.product((32, 64, 128), LONG_SPLITS)]
-            for int8, (tile, splits) in itertools.product((False, True), configs):
+            for int8, (tile, splits) in itertools.product(int8s, configs):
                 tuning.table = lambda key_row_bytes, tile=tile: {family: tile}
 
                 def step(q, k, v, seqlens, table, ks, vs, splits=splits, scale=shape.scale):

@@ -136,9 +136,10 @@ def test_bitwise_equal_to_the_ops_kernels():
     (dict(implementation="pallas", d_ssm=64), False),  # a gated MLP beside the SSM
     (dict(implementation="pallas", headdim=16, expand=1), False),  # d_ssm 64: not on a block
 ])
-def test_which_layers_fuse(kwargs, fuses):
+def test_which_layers_fuse(kwargs, fuses, monkeypatch):
+    monkeypatch.setattr(mixer, "split_conv_scan_norm", lambda *args, **kwargs: "fused")
     layer = flax_layers.Mamba2(64, d_state=16, **{"headdim": 32, **kwargs}, rngs=nnx.Rngs(0))
     zxbcdt = jnp.zeros((1, 8, layer.in_proj.kernel.shape[1]), BF16)
-    assert layer._fuses(zxbcdt, None) == fuses
-    if fuses:
-        assert not layer._fuses(zxbcdt, jnp.zeros((1, 8), jnp.int32))  # sequence ids
+    assert (layer._fused_mixer(zxbcdt, None) == "fused") == fuses
+    if fuses:  # sequence ids
+        assert layer._fused_mixer(zxbcdt, jnp.zeros((1, 8), jnp.int32)) is None
