@@ -48,17 +48,27 @@ class Static:
     page_size: int | None  # None: a dense cache
     block_k: int
     blocks_per_split: int
+    table_chunk: int  # 0, or the blocks whose page ids a paged cache's loop loads at once
     interpret: bool
 
 
-def _read(refs, cache, scales, b, j, static):
+def _pages(refs, b, j, static):
+    """The page ids of block j of row b, (block_k // page_size,) int32, or None for a dense
+    cache. A block's last pages may lie past the row's length, where a table may hold anything
+    (-1, say): clamped to a real page, whose entries the masks then ignore."""
+    if static.page_size is None:
+        return None
+    return jnp.clip(refs.block_table[b, _device.block_slice(j, static.block_k // static.page_size)],
+                    0, refs.k.shape[0] - 1)
+
+
+def _read(cache, scales, j, pages, static):
     """Block j of a row's keys or values: (block_k, H_pad) entries (zeros past H) and
-    (block_k,) scales or None, from the dense row or from the pages the row's block table
-    names. Lanes past H are masked loads, never read: the last head's would lie past the
-    cache."""
+    (block_k,) scales or None, from the dense row (pages None) or from the block's `pages`.
+    Lanes past H are masked loads, never read: the last head's would lie past the cache."""
     bk, h_pad = static.block_k, static.head_dim_pad
     lanes = jax.lax.broadcasted_iota(jnp.int32, (1, h_pad), 1)
-    if static.page_size is None:
+    if pages is None:
         rows = _device.block_slice(j, bk)
         if h_pad == static.head_dim:
             entries = cache[rows, :]
@@ -66,16 +76,11 @@ def _read(refs, cache, scales, b, j, static):
             entries = plt.load(cache.at[rows, :], other=0,
                                mask=jnp.broadcast_to(lanes < static.head_dim, (bk, h_pad)))
         return entries, None if scales is None else scales[rows]
-    per_block = bk // static.page_size
-    # A block's last pages may lie past the row's length, where a table may hold anything (-1,
-    # say): clamped to a real page, whose entries the masks then ignore.
-    pages = jnp.clip(refs.block_table[b, _device.block_slice(j, per_block)], 0,
-                     cache.shape[0] - 1)
     if h_pad == static.head_dim:
         entries = cache[pages, :, :]
     else:
         slots = jax.lax.broadcasted_iota(jnp.int32, (1, static.page_size, 1), 1)
-        shape = (per_block, static.page_size, h_pad)
+        shape = (pages.shape[0], static.page_size, h_pad)
         entries = plt.load(cache.at[pages[:, None, None], slots, lanes[None]], other=0,
                            mask=jnp.broadcast_to(lanes[None] < static.head_dim, shape))
     return (entries.reshape(bk, h_pad),
@@ -97,11 +102,14 @@ def _decode_kernel(refs, *, static):
     hi = jnp.minimum((split + 1) * static.blocks_per_split, _device.cdiv(length, bk))
     q = refs.q[...]
 
-    def step(j, carry):
-        acc, row_max, row_sum = carry
+    def tiles(j, pages):
+        return (*_read(refs.k, refs.k_scale, j, pages, static),
+                *_read(refs.v, refs.v_scale, j, pages, static))
+
+    def attend(j, tile, acc, row_max, row_sum):
+        k, k_scale, v, v_scale = tile
         key_ids = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
         keys = key_ids[None, :]
-        k, k_scale = _read(refs, refs.k, refs.k_scale, b, j, static)
         k = quantization.decode(k, static.key_format, q.dtype)
         scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
         if k_scale is not None:
@@ -114,7 +122,6 @@ def _decode_kernel(refs, *, static):
         rescale = jnp.exp2(row_max - new_max)
         probs = jnp.exp2(logits - new_max[:, None])
         row_sum = row_sum * rescale + jnp.sum(probs, axis=1)
-        v, v_scale = _read(refs, refs.v, refs.v_scale, b, j, static)
         present = key_ids < length  # slots past the length may hold NaN
         if v_scale is not None:
             probs = probs * jnp.where(present, v_scale, 0.0)[None, :]
@@ -123,15 +130,47 @@ def _decode_kernel(refs, *, static):
                                                preferred_element_type=jnp.float32)
         return acc, new_max, row_sum
 
+    def step(j, carry):
+        return attend(j, tiles(j, _pages(refs, b, j, static)), *carry)
+
     # A finite start for the running max keeps exp2(-inf - start) = 0 for masked entries.
     carry = (jnp.zeros((rows, static.head_dim_pad), jnp.float32),
              jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    acc, row_max, row_sum = jax.lax.fori_loop(lo, hi, step, carry)
+    if static.table_chunk and static.page_size is not None:
+        acc, row_max, row_sum = _chunked_loop(refs, b, lo, hi, tiles, attend, carry, static)
+    else:
+        acc, row_max, row_sum = jax.lax.fori_loop(lo, hi, step, carry)
     empty = row_sum == 0.0
     safe_sum = jnp.where(empty, 1.0, row_sum)
     refs.out[...] = acc / safe_sum[:, None]
     refs.lse[...] = jnp.where(empty, -jnp.inf, row_max + jnp.log2(safe_sum))
+
+
+def _chunked_loop(refs, b, lo, hi, tiles, attend, carry, static):
+    """Blocks lo..hi-1 of row b through `attend`, `static.table_chunk` blocks at a time: one
+    load of their page ids, then an inner loop that picks each block's from registers. Its
+    cache reads then depend on no load of the same loop, so Triton pipelines them (double
+    buffers, the next block's copies in flight during this one's products); with one table
+    read per block it keeps one buffer and waits for every copy at each step."""
+    chunk, per_block = static.table_chunk, static.block_k // static.page_size
+    width = chunk * per_block
+    which = jax.lax.broadcasted_iota(jnp.int32, (chunk, per_block), 0)
+
+    def chunk_step(c, carry):
+        first = lo + c * chunk
+        columns = first * per_block + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+        ids = plt.load(refs.block_table.at[b, pl.ds(first * per_block, width)],
+                       mask=columns < refs.block_table.shape[1], other=0)
+        ids = jnp.clip(ids.reshape(chunk, per_block), 0, refs.k.shape[0] - 1)
+
+        def step(j, carry):
+            pages = jnp.sum(jnp.where(which == j - first, ids, 0), axis=0)
+            return attend(j, tiles(j, pages), *carry)
+
+        return jax.lax.fori_loop(first, jnp.minimum(first + chunk, hi), step, carry)
+
+    return jax.lax.fori_loop(0, _device.cdiv(jnp.maximum(hi - lo, 0), chunk), chunk_step, carry)
 
 
 def partials(q, k, v, seqlens, block_table, k_scale, v_scale, *, static, splits, num_warps,
