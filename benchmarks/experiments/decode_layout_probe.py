@@ -1,0 +1,79 @@
+"""Where int8 decode attention loses to the bytes (benchmarks/NOTES.md, "Serving"): the split-K
+kernel's device time at decode.py's 32:4 shape (B 64, 8192 keys, head dim 128) with a bf16 and
+an int8 cache, laid out as the benchmark's (16-slot pages, KV heads interleaved), with one KV
+head per row (B 256, 8:1: each program's keys contiguous within a page), with 64-slot pages,
+as a dense cache (no block table), and int8 with its scales not read (wrong values: only the
+time counts). On the GPU machine, from the repository root:
+
+    python -m benchmarks.experiments.decode_layout_probe --out "$OUT/decode_layout_probe.jsonl"
+"""
+import argparse
+import json
+
+import jax
+
+import pallas_kernels
+from benchmarks import _timing, decode
+from pallas_kernels.kv_cache import forward
+
+# (label, batch, query heads, KV heads, page size, dense, int8 scales read)
+VARIANTS = [
+    ("pages of 16", 64, 32, 4, 16, False, True),
+    ("one KV head", 256, 8, 1, 16, False, True),
+    ("pages of 64", 64, 32, 4, 64, False, True),
+    ("dense", 64, 32, 4, 16, True, True),
+    ("pages of 16, int8 scales not read", 64, 32, 4, 16, False, False),
+]
+
+
+def _cache(pages, table, dense):
+    return decode.dense_cache(pages, table, head_major=False) if dense else pages
+
+
+def measure(label, batch, heads, kv_heads, page, dense, scales_read, int8, copy_gbs, quick):
+    context = 8192
+    if quick:  # CPU smoke test: a few rows of 256 keys in interpret mode
+        batch, context = batch // 32, 256
+    shape = decode.Shape(label, batch, context, heads, kv_heads, decode.HEAD_DIM, page)
+    inputs = decode.make_inputs(shape, seed=0)
+    q, k, v, table, seqlens = inputs[:5]
+    k_scale = v_scale = None
+    if int8:
+        (k, k_scale), (v, v_scale) = decode.quantise_int8(k), decode.quantise_int8(v)
+        if dense:
+            k_scale, v_scale = (_cache(s[..., None], table, True)[..., 0]
+                                for s in (k_scale, v_scale))
+    k, v = _cache(k, table, dense), _cache(v, table, dense)
+    read = forward._read
+    if not scales_read:
+        forward._read = lambda *args: (read(*args)[0], None)
+    try:
+        def step(q, k, v, seqlens, table, k_scale, v_scale):
+            return pallas_kernels.attention_with_kv_cache(
+                q, k, v, seqlens, block_table=table, k_scale=k_scale, v_scale=v_scale,
+                scale=shape.scale, implementation="pallas", interpret=quick or None)
+
+        seconds = _timing.chained_seconds(jax.jit(step), q, k, v, seqlens,
+                                          None if dense else table, k_scale, v_scale)
+    finally:
+        forward._read = read
+    gbs = decode.bytes_read(shape, inputs, int8=int8) / seconds / 1e9
+    return dict(variant=label, int8=int8, ms=1e3 * seconds, copy_fraction=gbs / copy_gbs)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true", help="CPU smoke test, interpret mode")
+    args = parser.parse_args()
+    copy_gbs = decode.copy_bandwidth(1 / 64 if args.quick else 1.0)["gbps"]
+    with open(args.out, "a") as log:
+        for variant in VARIANTS:
+            for int8 in (False, True) if variant[-1] else (True,):
+                row = measure(*variant, int8=int8, copy_gbs=copy_gbs, quick=args.quick)
+                print(json.dumps(row), flush=True)
+                log.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
