@@ -59,6 +59,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -634,11 +635,19 @@ def restore_newest(manager: "ocp.CheckpointManager", params: "nnx.State", opt_st
 _ORBAX_PATH = f"{os.sep}orbax{os.sep}"
 
 
+# What tensorstore's errors say of a read (orbax reads its arrays through it).
+_TENSORSTORE_READ = "OCDBT database at local file"
+# The RuntimeWarning of an orbax read coroutine collected before it was awaited.
+_UNAWAITED_READ = r"coroutine '_read_array\w*' was never awaited"
+
+
 def _keep_log_record(record: logging.LogRecord) -> bool:
-    """False for asyncio's report of an orbax task whose exception nobody retrieved."""
+    """False for asyncio's report of an orbax task or future whose exception nobody
+    retrieved."""
     message = record.getMessage()
-    return not (message.startswith("Task exception was never retrieved")
-                and _ORBAX_PATH in message)
+    return not (message.startswith(("Task exception was never retrieved",
+                                    "Future exception was never retrieved"))
+                and (_ORBAX_PATH in message or _TENSORSTORE_READ in message))
 
 
 def _ignore_reads_left_in_flight() -> None:
@@ -646,11 +655,14 @@ def _ignore_reads_left_in_flight() -> None:
     finish later, into orbax's closed event loop (an unraisable RuntimeError("Event loop is
     closed")), as orbax read coroutines that raise while being collected (an unraisable
     "Encountered error while reading array ..." with kilobytes of tensorstore spec), or as
-    orbax read tasks whose exception nobody retrieved (asyncio logs "Task exception was never
-    retrieved" with the same spec when the task is collected). Python would print each as a
-    traceback, although the failed restore is reported once already. Installs (once) a
-    `sys.unraisablehook` that drops the first two kinds and passes anything else on to the
-    previous hook, and a filter on asyncio's logger that drops the third."""
+    orbax read tasks or futures whose exception nobody retrieved (asyncio logs "Task (or
+    Future) exception was never retrieved" with the same spec, or tensorstore's read error,
+    when they are collected), or as read coroutines never awaited (a RuntimeWarning at exit).
+    Python would print each, although the failed restore is reported once already. Installs
+    (once) a `sys.unraisablehook` that drops the first two kinds and passes anything else on to
+    the previous hook, a filter on asyncio's logger that drops the third, and a warnings filter
+    for the fourth."""
+    warnings.filterwarnings("ignore", message=_UNAWAITED_READ, category=RuntimeWarning)
     asyncio_logger = logging.getLogger("asyncio")
     if _keep_log_record not in asyncio_logger.filters:
         asyncio_logger.addFilter(_keep_log_record)

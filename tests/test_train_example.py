@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -463,9 +464,19 @@ def test_abandoned_checkpoint_reads_are_not_printed(monkeypatch):
             path = os.path.join(os.sep, "site", folder, "serialization.py")
             asyncio_logger.error("Task exception was never retrieved\nfuture: <Task finished "
                                  f"coro=<async_deserialize() done, defined at {path}:394>>")
+        asyncio_logger.error(  # a future's, with tensorstore's error and no orbax path
+            "Future exception was never retrieved\nfuture: <Future finished exception="
+            "ValueError('OUT_OF_RANGE: Error reading \"opt_state/0.0\" in OCDBT database at "
+            "local file \"/run/checkpoints/2/state/\"')>")
     finally:
         asyncio_logger.removeHandler(handler)
     assert len(logged) == 1 and "elsewhere" in logged[0]
+    # An orbax read coroutine never awaited: its RuntimeWarning is filtered, others are not.
+    with warnings.catch_warnings(record=True) as caught:
+        trainer._ignore_reads_left_in_flight()
+        for name in ("_read_array_index_and_device_put", "train_step"):
+            warnings.warn(f"coroutine '{name}' was never awaited", RuntimeWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["coroutine 'train_step' was never awaited"]
 
 
 def test_command_line_resume_with_no_checkpoint_that_loads(workdir, tmp_path):
