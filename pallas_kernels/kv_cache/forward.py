@@ -102,12 +102,10 @@ def _decode_kernel(refs, *, static):
     hi = jnp.minimum((split + 1) * static.blocks_per_split, _device.cdiv(length, bk))
     q = refs.q[...]
 
-    def tiles(j, pages):
-        return (*_read(refs.k, refs.k_scale, j, pages, static),
-                *_read(refs.v, refs.v_scale, j, pages, static))
-
-    def attend(j, tile, acc, row_max, row_sum):
-        k, k_scale, v, v_scale = tile
+    def attend(j, pages, acc, row_max, row_sum):
+        # The values are read after the logits, as late as the keys allow (fewer live
+        # registers where the loop is not pipelined).
+        k, k_scale = _read(refs.k, refs.k_scale, j, pages, static)
         key_ids = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
         keys = key_ids[None, :]
         k = quantization.decode(k, static.key_format, q.dtype)
@@ -122,6 +120,7 @@ def _decode_kernel(refs, *, static):
         rescale = jnp.exp2(row_max - new_max)
         probs = jnp.exp2(logits - new_max[:, None])
         row_sum = row_sum * rescale + jnp.sum(probs, axis=1)
+        v, v_scale = _read(refs.v, refs.v_scale, j, pages, static)
         present = key_ids < length  # slots past the length may hold NaN
         if v_scale is not None:
             probs = probs * jnp.where(present, v_scale, 0.0)[None, :]
@@ -131,14 +130,14 @@ def _decode_kernel(refs, *, static):
         return acc, new_max, row_sum
 
     def step(j, carry):
-        return attend(j, tiles(j, _pages(refs, b, j, static)), *carry)
+        return attend(j, _pages(refs, b, j, static), *carry)
 
     # A finite start for the running max keeps exp2(-inf - start) = 0 for masked entries.
     carry = (jnp.zeros((rows, static.head_dim_pad), jnp.float32),
              jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
     if static.table_chunk and static.page_size is not None:
-        acc, row_max, row_sum = _chunked_loop(refs, b, lo, hi, tiles, attend, carry, static)
+        acc, row_max, row_sum = _chunked_loop(refs, b, lo, hi, attend, carry, static)
     else:
         acc, row_max, row_sum = jax.lax.fori_loop(lo, hi, step, carry)
     empty = row_sum == 0.0
@@ -147,7 +146,7 @@ def _decode_kernel(refs, *, static):
     refs.lse[...] = jnp.where(empty, -jnp.inf, row_max + jnp.log2(safe_sum))
 
 
-def _chunked_loop(refs, b, lo, hi, tiles, attend, carry, static):
+def _chunked_loop(refs, b, lo, hi, attend, carry, static):
     """Blocks lo..hi-1 of row b through `attend`, `static.table_chunk` blocks at a time: one
     load of their page ids, then an inner loop that picks each block's from registers. Its
     cache reads then depend on no load of the same loop, so Triton pipelines them (double
@@ -166,7 +165,7 @@ def _chunked_loop(refs, b, lo, hi, tiles, attend, carry, static):
 
         def step(j, carry):
             pages = jnp.sum(jnp.where(which == j - first, ids, 0), axis=0)
-            return attend(j, tiles(j, pages), *carry)
+            return attend(j, pages, *carry)
 
         return jax.lax.fori_loop(first, jnp.minimum(first + chunk, hi), step, carry)
 
