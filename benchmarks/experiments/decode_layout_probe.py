@@ -2,8 +2,9 @@
 kernel's device time at decode.py's 32:4 shape (B 64, 8192 keys, head dim 128) with a bf16 and
 an int8 cache, laid out as the benchmark's (16-slot pages, KV heads interleaved), with one KV
 head per row (B 256, 8:1: each program's keys contiguous within a page), with 64-slot pages,
-as a dense cache (no block table), and int8 with its scales not read (wrong values: only the
-time counts). On the GPU machine, from the repository root:
+as a dense cache (no block table), with the pages in order (row b's pages b·P .. b·P + P - 1:
+the dense cache's bytes where they lie, read through the table), and int8 with its scales not
+read (wrong values: only the time counts). On the GPU machine, from the repository root:
 
     python -m benchmarks.experiments.decode_layout_probe --out "$OUT/decode_layout_probe.jsonl"
 """
@@ -16,13 +17,14 @@ import pallas_kernels
 from benchmarks import _timing, decode
 from pallas_kernels.kv_cache import forward
 
-# (label, batch, query heads, KV heads, page size, dense, int8 scales read)
+# (label, batch, query heads, KV heads, page size, dense, pages shuffled, int8 scales read)
 VARIANTS = [
-    ("pages of 16", 64, 32, 4, 16, False, True),
-    ("one KV head", 256, 8, 1, 16, False, True),
-    ("pages of 64", 64, 32, 4, 64, False, True),
-    ("dense", 64, 32, 4, 16, True, True),
-    ("pages of 16, int8 scales not read", 64, 32, 4, 16, False, False),
+    ("pages of 16", 64, 32, 4, 16, False, True, True),
+    ("pages of 16 in order", 64, 32, 4, 16, False, False, True),
+    ("one KV head", 256, 8, 1, 16, False, True, True),
+    ("pages of 64", 64, 32, 4, 64, False, True, True),
+    ("dense", 64, 32, 4, 16, True, True, True),
+    ("pages of 16, int8 scales not read", 64, 32, 4, 16, False, True, False),
 ]
 
 
@@ -30,13 +32,16 @@ def _cache(pages, table, dense):
     return decode.dense_cache(pages, table, head_major=False) if dense else pages
 
 
-def measure(label, batch, heads, kv_heads, page, dense, scales_read, int8, copy_gbs, quick):
+def measure(label, batch, heads, kv_heads, page, dense, shuffled, scales_read, int8, copy_gbs,
+            quick):
     context = 8192
     if quick:  # CPU smoke test: a few rows of 256 keys in interpret mode
         batch, context = batch // 32, 256
     shape = decode.Shape(label, batch, context, heads, kv_heads, decode.HEAD_DIM, page)
     inputs = decode.make_inputs(shape, seed=0)
     q, k, v, table, seqlens = inputs[:5]
+    if not shuffled:
+        table = jax.numpy.arange(table.size, dtype=table.dtype).reshape(table.shape)
     k_scale = v_scale = None
     if int8:
         (k, k_scale), (v, v_scale) = decode.quantise_int8(k), decode.quantise_int8(v)

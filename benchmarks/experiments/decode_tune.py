@@ -39,8 +39,6 @@ def main():
     parser.add_argument("--block-ks", type=_ints, default=BLOCK_KS)
     parser.add_argument("--warps", type=_ints, default=WARPS)
     parser.add_argument("--stages", type=_ints, default=STAGES)
-    parser.add_argument("--table-chunks", type=_ints, default=(0,),
-                        help="the tile's `table_chunk` values (0: page ids loaded per block)")
     parser.add_argument("--splits", default="",
                         help="comma-separated splits every tile also runs at, besides the op's")
     parser.add_argument("--dtypes", default="bfloat16,int8")
@@ -50,7 +48,7 @@ def main():
     family = _device.family(jax.devices()[0].device_kind)
     copy_gbs = decode.copy_bandwidth(1 / 64 if args.quick else 1.0)["gbps"]
     tiles = [tuning.DecodeBlocks(*tile) for tile in itertools.product(
-        args.block_ks, args.warps, args.stages, args.table_chunks)]
+        args.block_ks, args.warps, args.stages)]
     tiles = tiles[:2] if args.quick else tiles
     extra_splits = _ints(args.splits) if args.splits else ()
     int8s = [dtype == "int8" for dtype in args.dtypes.split(",")]

@@ -48,7 +48,6 @@ class Static:
     page_size: int | None  # None: a dense cache
     block_k: int
     blocks_per_split: int
-    table_chunk: int  # 0, or the blocks whose page ids a paged cache's loop loads at once
     interpret: bool
 
 
@@ -102,9 +101,12 @@ def _decode_kernel(refs, *, static):
     hi = jnp.minimum((split + 1) * static.blocks_per_split, _device.cdiv(length, bk))
     q = refs.q[...]
 
-    def attend(j, pages, acc, row_max, row_sum):
-        # The values are read after the logits, as late as the keys allow (fewer live
-        # registers where the loop is not pipelined).
+    def step(j, carry):
+        acc, row_max, row_sum = carry
+        # The block's page ids are read once for keys and values; the values after the
+        # logits, as late as the keys allow (fewer live registers where the loop is not
+        # pipelined).
+        pages = _pages(refs, b, j, static)
         k, k_scale = _read(refs.k, refs.k_scale, j, pages, static)
         key_ids = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
         keys = key_ids[None, :]
@@ -129,47 +131,15 @@ def _decode_kernel(refs, *, static):
                                                preferred_element_type=jnp.float32)
         return acc, new_max, row_sum
 
-    def step(j, carry):
-        return attend(j, _pages(refs, b, j, static), *carry)
-
     # A finite start for the running max keeps exp2(-inf - start) = 0 for masked entries.
     carry = (jnp.zeros((rows, static.head_dim_pad), jnp.float32),
              jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    if static.table_chunk and static.page_size is not None:
-        acc, row_max, row_sum = _chunked_loop(refs, b, lo, hi, attend, carry, static)
-    else:
-        acc, row_max, row_sum = jax.lax.fori_loop(lo, hi, step, carry)
+    acc, row_max, row_sum = jax.lax.fori_loop(lo, hi, step, carry)
     empty = row_sum == 0.0
     safe_sum = jnp.where(empty, 1.0, row_sum)
     refs.out[...] = acc / safe_sum[:, None]
     refs.lse[...] = jnp.where(empty, -jnp.inf, row_max + jnp.log2(safe_sum))
-
-
-def _chunked_loop(refs, b, lo, hi, attend, carry, static):
-    """Blocks lo..hi-1 of row b through `attend`, `static.table_chunk` blocks at a time: one
-    load of their page ids, then an inner loop that picks each block's from registers. Its
-    cache reads then depend on no load of the same loop, so Triton pipelines them (double
-    buffers, the next block's copies in flight during this one's products); with one table
-    read per block it keeps one buffer and waits for every copy at each step."""
-    chunk, per_block = static.table_chunk, static.block_k // static.page_size
-    width = chunk * per_block
-    which = jax.lax.broadcasted_iota(jnp.int32, (chunk, per_block), 0)
-
-    def chunk_step(c, carry):
-        first = lo + c * chunk
-        columns = first * per_block + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
-        ids = plt.load(refs.block_table.at[b, pl.ds(first * per_block, width)],
-                       mask=columns < refs.block_table.shape[1], other=0)
-        ids = jnp.clip(ids.reshape(chunk, per_block), 0, refs.k.shape[0] - 1)
-
-        def step(j, carry):
-            pages = jnp.sum(jnp.where(which == j - first, ids, 0), axis=0)
-            return attend(j, pages, *carry)
-
-        return jax.lax.fori_loop(first, jnp.minimum(first + chunk, hi), step, carry)
-
-    return jax.lax.fori_loop(0, _device.cdiv(jnp.maximum(hi - lo, 0), chunk), chunk_step, carry)
 
 
 def partials(q, k, v, seqlens, block_table, k_scale, v_scale, *, static, splits, num_warps,

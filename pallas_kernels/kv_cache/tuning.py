@@ -16,14 +16,11 @@ from pallas_kernels import _compat, _device
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlocks:
-    """`block_k` keys per step (a power of two, >= 16); Triton's warps and stages;
-    `table_chunk`: 0, or the blocks (a power of two) whose page ids a paged cache's loop loads
-    at once (`forward._chunked_loop`)."""
+    """`block_k` keys per step (a power of two, >= 16); Triton's warps and stages."""
 
     block_k: int
     num_warps: int
     num_stages: int
-    table_chunk: int = 0
 
 
 _TABLE = {

@@ -127,26 +127,6 @@ def test_matches_reference_at_every_tile_of_the_tables(case, block_k, monkeypatc
                    tol=tolerance(spec.get("q_dtype", F32), spec.get("cache_dtype", F32)))
 
 
-PAGED = [c for c in CASES if "page_size" in c[1]]
-
-
-@pytest.mark.parametrize("table_chunk", [1, 4])
-@pytest.mark.parametrize("case", PAGED, ids=[c[0] for c in PAGED])
-def test_page_ids_loaded_in_chunks_change_no_bit(case, table_chunk, monkeypatch):
-    """`table_chunk` (the page ids of several blocks loaded at once, a loop in a loop) gives the
-    per-block loop's bits on poisoned caches: chunks past a split's end, a table's last
-    columns (-1 there) and empty splits included."""
-    name, spec, call = case
-    q, seqlens, _, dirty = make_case(_seed(name), **spec)
-    results = []
-    for chunk in (0, table_chunk):
-        monkeypatch.setattr(tuning, "table", lambda key_row_bytes, chunk=chunk: dict.fromkeys(
-            ("hopper", "ampere", "cdna", "fallback"), tuning.DecodeBlocks(32, 4, 2, chunk)))
-        results.append(_attend("pallas", q, seqlens, dirty, **call))
-    for what, x, y in zip(("out", "lse"), *results, strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{name} {what}")
-
-
 @pytest.mark.parametrize("case", [CASES[2], CASES[7]], ids=[CASES[2][0], CASES[7][0]])
 def test_kernel_poisoned_equals_clean_bitwise(case):
     """What lies past the lengths and in unreferenced pages changes no bit of the output."""

@@ -8,7 +8,6 @@ import pytest
 from lowering_cases import CASES, TARGETS, TRITON_CALL, lower
 
 import pallas_kernels
-from pallas_kernels.kv_cache import tuning
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
@@ -23,20 +22,6 @@ def test_decode_lowers_to_the_split_and_merge_kernels(case, target):
     cache_type = "tensor<" + "x".join(map(str, args["k_cache"].shape)) + "x"
     lines = [line for line in text.splitlines() if cache_type in line]
     assert len(lines) == 2 and TRITON_CALL in lines[1], lines
-
-
-@pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("case", ["decode-int8-paged", "decode-bfloat16-paged"])
-def test_page_ids_in_chunks_lower(case, target, monkeypatch):
-    """A tile with `table_chunk` (a loop in a loop) lowers to two kernels, the split pass not
-    the per-block loop's."""
-    texts = []
-    for chunk in (0, 16):
-        tile = tuning.DecodeBlocks(64, 4, 3, chunk)
-        monkeypatch.setattr(tuning, "table", lambda key_row_bytes, tile=tile: dict.fromkeys(
-            ("hopper", "ampere", "cdna", "fallback"), tile))
-        texts.append(lower(case, target)[1].as_text())
-    assert texts[1].count(TRITON_CALL) == 2 and texts[1] != texts[0]
 
 
 @pytest.mark.parametrize("dtype, scaled", [(jnp.bfloat16, False), (jnp.int8, True)])
