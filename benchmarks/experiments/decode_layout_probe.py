@@ -4,18 +4,23 @@ an int8 cache, laid out as the benchmark's (16-slot pages, KV heads interleaved)
 head per row (B 256, 8:1: each program's keys contiguous within a page), with 64-slot pages,
 as a dense cache (no block table), with the pages in order (row b's pages b·P .. b·P + P - 1:
 the dense cache's bytes where they lie, read through the table), and int8 with its scales not
-read (wrong values: only the time counts). On the GPU machine, from the repository root:
+read (wrong values: only the time counts); and the benchmark's layout at 32:32 heads.
+`--stages` times each at those Triton stages instead of the tuning table's. On the GPU
+machine, from the repository root:
 
     python -m benchmarks.experiments.decode_layout_probe --out "$OUT/decode_layout_probe.jsonl"
+    python -m benchmarks.experiments.decode_layout_probe --stages 1,3 --variants 0,4 \
+        --out "$OUT/decode_layout_stages.jsonl"
 """
 import argparse
+import dataclasses
 import json
 
 import jax
 
 import pallas_kernels
 from benchmarks import _timing, decode
-from pallas_kernels.kv_cache import forward
+from pallas_kernels.kv_cache import forward, tuning
 
 # (label, batch, query heads, KV heads, page size, dense, pages shuffled, int8 scales read)
 VARIANTS = [
@@ -25,6 +30,7 @@ VARIANTS = [
     ("pages of 64", 64, 32, 4, 64, False, True, True),
     ("dense", 64, 32, 4, 16, True, True, True),
     ("pages of 16, int8 scales not read", 64, 32, 4, 16, False, True, False),
+    ("32:32 heads, pages of 16", 64, 32, 32, 16, False, True, True),
 ]
 
 
@@ -66,18 +72,39 @@ def measure(label, batch, heads, kv_heads, page, dense, shuffled, scales_read, i
     return dict(variant=label, int8=int8, ms=1e3 * seconds, copy_fraction=gbs / copy_gbs)
 
 
+def _stages_fixed(stages):
+    """The tuning table with every family's row at `stages` (None: as it is)."""
+    table = tuning.table
+    if stages is None:
+        return table
+    return lambda key_row_bytes: {family: dataclasses.replace(row, num_stages=stages)
+                                  for family, row in table(key_row_bytes).items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--variants", help="indices into VARIANTS, comma-separated (default: all)")
+    parser.add_argument("--stages", help="Triton stages to time at, comma-separated (default: "
+                        "the tuning table's)")
     parser.add_argument("--quick", action="store_true", help="CPU smoke test, interpret mode")
     args = parser.parse_args()
     copy_gbs = decode.copy_bandwidth(1 / 64 if args.quick else 1.0)["gbps"]
+    variants = VARIANTS if args.variants is None else [
+        VARIANTS[int(i)] for i in args.variants.split(",")]
+    table = tuning.table
     with open(args.out, "a") as log:
-        for variant in VARIANTS:
-            for int8 in (False, True) if variant[-1] else (True,):
-                row = measure(*variant, int8=int8, copy_gbs=copy_gbs, quick=args.quick)
-                print(json.dumps(row), flush=True)
-                log.write(json.dumps(row) + "\n")
+        for stages in [None] if args.stages is None else map(int, args.stages.split(",")):
+            tuning.table = _stages_fixed(stages)
+            try:
+                for variant in variants:
+                    for int8 in (False, True) if variant[-1] else (True,):
+                        row = measure(*variant, int8=int8, copy_gbs=copy_gbs, quick=args.quick)
+                        row["stages"] = stages
+                        print(json.dumps(row), flush=True)
+                        log.write(json.dumps(row) + "\n")
+            finally:
+                tuning.table = table
 
 
 if __name__ == "__main__":
