@@ -17,6 +17,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 
 import pallas_kernels
 from benchmarks import _timing, decode
@@ -47,7 +48,7 @@ def measure(label, batch, heads, kv_heads, page, dense, shuffled, scales_read, i
     inputs = decode.make_inputs(shape, seed=0)
     q, k, v, table, seqlens = inputs[:5]
     if not shuffled:
-        table = jax.numpy.arange(table.size, dtype=table.dtype).reshape(table.shape)
+        table = jnp.arange(table.size, dtype=table.dtype).reshape(table.shape)
     k_scale = v_scale = None
     if int8:
         (k, k_scale), (v, v_scale) = decode.quantise_int8(k), decode.quantise_int8(v)
@@ -72,9 +73,8 @@ def measure(label, batch, heads, kv_heads, page, dense, shuffled, scales_read, i
     return dict(variant=label, int8=int8, ms=1e3 * seconds, copy_fraction=gbs / copy_gbs)
 
 
-def _stages_fixed(stages):
-    """The tuning table with every family's row at `stages` (None: as it is)."""
-    table = tuning.table
+def _stages_fixed(table, stages):
+    """The tuning `table` with every family's row at `stages` (None: as it is)."""
     if stages is None:
         return table
     return lambda key_row_bytes: {family: dataclasses.replace(row, num_stages=stages)
@@ -95,7 +95,7 @@ def main():
     table = tuning.table
     with open(args.out, "a") as log:
         for stages in [None] if args.stages is None else map(int, args.stages.split(",")):
-            tuning.table = _stages_fixed(stages)
+            tuning.table = _stages_fixed(table, stages)
             try:
                 for variant in variants:
                     for int8 in (False, True) if variant[-1] else (True,):
