@@ -7,7 +7,7 @@ Fails on: gfx942 LDS above 64 KiB, or VGPRs spilled to scratch memory; sm_90a sh
 above 232,448 B; a hot kernel (attention forward, dK/dV, dQ; the SSD forward output) below one
 wave per SIMD on gfx942; a kernel that does not compile. Only warns (SpillWarning) on sm_90a
 register spills (today: attention dK/dV at head dims 80 to 256, the SSD forward output, the SSD
-state terms at N 64, the SSD chunk gradients with seq_idx, decode over a uint8 e4m3fnuz cache)
+state terms at N 64, the SSD chunk gradients with seq_idx)
 and on gfx942 VGPRs spilled into AGPRs, which use no memory (today: attention dK/dV with segment
 ids and lengths, 1 VGPR).
 
