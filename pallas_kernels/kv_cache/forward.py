@@ -108,7 +108,7 @@ def _decode_kernel(refs, *, static):
         # The block's page ids come from the step before (the loop's carry), so no cache read
         # depends on a load of its own step: Triton then pipelines the cache reads (two
         # blocks in flight) as it does a dense cache's (ids read in their own step: int8
-        # 0.338 against 0.306 ms on an H100, benchmarks/NOTES.md "Serving").
+        # 0.34 against 0.31-0.33 ms on an H100, benchmarks/NOTES.md "Serving").
         acc, row_max, row_sum, pages = carry
         next_pages = _pages(refs, b, j + 1, static)
         k, k_scale = _read(refs.k, refs.k_scale, j, pages, static)
