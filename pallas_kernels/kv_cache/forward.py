@@ -47,6 +47,7 @@ class Static:
     value_format: quantization.Format
     page_size: int | None  # None: a dense cache
     block_k: int
+    gather_rows: bool  # tuning.DecodeBlocks'
     blocks_per_split: int
     interpret: bool
 
@@ -78,9 +79,9 @@ def _read(cache, scales, j, pages, static):
             entries = plt.load(cache.at[rows, :], other=0,
                                mask=jnp.broadcast_to(lanes < static.head_dim, (bk, h_pad)))
         return entries, None if scales is None else scales[rows]
-    # One (block_k, H_pad) gather, each key's row from its page, not a (pages, page_size, H_pad)
-    # load reshaped: Triton then stages the tile in shared memory as it does a dense block's
-    # (int8 0.31 -> 0.25 ms, bf16 0.40 -> 0.39 on an H100, benchmarks/NOTES.md "Serving").
+    if not static.gather_rows:
+        return _read_pages(cache, scales, pages, lanes, static)
+    # One (block_k, H_pad) gather, each key's row from its page (tuning's table says why).
     key_pages = jnp.broadcast_to(pages[:, None], (pages.shape[0], static.page_size))
     key_pages = key_pages.reshape(bk, 1)
     slots = jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0) % static.page_size
@@ -89,6 +90,21 @@ def _read(cache, scales, j, pages, static):
         mask, other = jnp.broadcast_to(lanes < static.head_dim, (bk, h_pad)), 0
     entries = plt.load(cache.at[key_pages, slots, lanes], mask=mask, other=other)
     return entries, None if scales is None else plt.load(scales.at[key_pages[:, 0], slots[:, 0]])
+
+
+def _read_pages(cache, scales, pages, lanes, static):
+    """`_read` of a paged block with `gather_rows` off: (pages, page_size, H_pad) entries and
+    (pages, page_size) scales, reshaped to a block's."""
+    bk, h_pad = static.block_k, static.head_dim_pad
+    if h_pad == static.head_dim:
+        entries = cache[pages, :, :]
+    else:
+        slots = jax.lax.broadcasted_iota(jnp.int32, (1, static.page_size, 1), 1)
+        shape = (pages.shape[0], static.page_size, h_pad)
+        entries = plt.load(cache.at[pages[:, None, None], slots, lanes[None]], other=0,
+                           mask=jnp.broadcast_to(lanes[None] < static.head_dim, shape))
+    return (entries.reshape(bk, h_pad),
+            None if scales is None else scales[pages, :].reshape(bk))
 
 
 def _decode_kernel(refs, *, static):
@@ -133,10 +149,11 @@ def _decode_kernel(refs, *, static):
         if v_scale is not None:
             probs = probs * jnp.where(present, v_scale, 0.0)[None, :]
         v = quantization.decode(v, static.value_format, q.dtype)
-        if static.value_format is not quantization.INT8:
-            # Every int8 value is finite, so an int8 slot needs no select: its probability is
-            # already 0. Without it Triton converts int8 values in the dot's layout, not
-            # through shared memory (int8 -2.5% on an H100).
+        if static.value_format is not quantization.INT8 or not static.gather_rows:
+            # An int8 value is never NaN, so its slot needs no select (its probability is 0):
+            # without it NVIDIA's Triton converts gathered int8 values in the dot's layout,
+            # not through shared memory (-2.5% on an H100); gfx942's pages read keeps it
+            # (160 VGPRs, 251 without).
             v = jnp.where(present[:, None], v, 0)
         acc = acc * rescale[:, None] + jnp.dot(probs.astype(q.dtype), v,
                                                preferred_element_type=jnp.float32)

@@ -107,19 +107,22 @@ def test_matches_reference_on_poisoned_caches(case, path):
                    tol=tolerance(spec.get("q_dtype", F32), spec.get("cache_dtype", F32)))
 
 
-TABLE_BLOCKS = sorted({tile.block_k for table in (tuning._TABLE, tuning._TABLE_JAXLIB_0_12)
-                       for tile in table.values()})
+TABLE_READS = sorted({(tile.block_k, tile.gather_rows)
+                      for table in (tuning._TABLE, tuning._TABLE_JAXLIB_0_12)
+                      for tile in table.values()})
 
 
-@pytest.mark.parametrize("block_k", TABLE_BLOCKS)
+@pytest.mark.parametrize(("block_k", "gather_rows"), TABLE_READS)
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4], CASES[7]],
                          ids=[CASES[i][0] for i in (1, 2, 4, 7)])
-def test_matches_reference_at_every_tile_of_the_tables(case, block_k, monkeypatch):
-    """The keys a step of every GPU's table row (this CPU runs the fallback row), jaxlib 0.12's
-    rows included, on poisoned caches: a step wider than a short cache, pages per step."""
+def test_matches_reference_at_every_tile_of_the_tables(case, block_k, gather_rows, monkeypatch):
+    """The keys a step and the paged read of every GPU's table row (this CPU runs the fallback
+    row), jaxlib 0.12's rows included, on poisoned caches: a step wider than a short cache,
+    pages per step, rows gathered or pages read."""
     name, spec, call = case
     monkeypatch.setattr(tuning, "table", lambda key_row_bytes: dict.fromkeys(
-        ("hopper", "ampere", "cdna", "fallback"), tuning.DecodeBlocks(block_k, 4, 2)))
+        ("hopper", "ampere", "cdna", "fallback"),
+        tuning.DecodeBlocks(block_k, 4, 2, gather_rows)))
     q, seqlens, clean, dirty = make_case(_seed(name), **spec)
     out, lse = _attend("pallas", q, seqlens, dirty, **call)
     ref_out, ref_lse = _exact(q, seqlens, clean, **call)
