@@ -39,11 +39,21 @@ def device_kernel_events(call):
             continue
         events = by_device.setdefault(plane.name, [])
         for line in plane.lines:
-            if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
-                continue
-            events += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+            if runs_kernels(line.name):
+                events += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
         events.sort(key=lambda e: e[1])
     return by_device, planes
+
+
+def runs_kernels(line_name):
+    """Whether a GPU plane's line is a stream that runs kernels: "Stream #14(Compute)" or
+    "Stream #14(Memset,MemcpyD2D,Compute)" (a stream that also copies; its copies count as its
+    work), not "Stream #15(MemcpyH2D)" nor the plane's summary lines."""
+    name = line_name.lower()
+    if "stream" not in name:
+        return False
+    kinds = re.search(r"\((.*)\)", name)
+    return kinds is None or "compute" in kinds.group(1)
 
 
 _COLLECTIVE = re.compile(r"nccl|rccl", re.IGNORECASE)  # NCCL's and RCCL's kernels

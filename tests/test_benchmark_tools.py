@@ -1,6 +1,7 @@
 """The benchmarks' own arithmetic and runs, which GPU runs rely on and a CPU can check: how much
-of a device's collective kernels overlaps its other kernels (`benchmarks._profile`), and
-decode.py's smoke run (device time is too scarce to find a broken benchmark there)."""
+of a device's collective kernels overlaps its other kernels and which trace lines hold kernels
+(`benchmarks._profile`), and decode.py's smoke run (device time is too scarce to find a broken
+benchmark there)."""
 
 import json
 import os
@@ -30,6 +31,15 @@ def test_collective_overlap_without_collectives_or_compute():
     assert _profile.collective_overlap([("gemm", 0, 10)]) == (0, 0)
     assert _profile.collective_overlap([("ncclDevKernel_AllReduce", 0, 10),
                                         ("ncclDevKernel_AllReduce", 5, 10)]) == (15, 0)
+
+
+def test_kernel_lines_are_the_streams_that_compute():
+    assert _profile.runs_kernels("Stream #14(Compute)")
+    assert _profile.runs_kernels("Stream #14(Memset,MemcpyD2D,Compute)")
+    assert _profile.runs_kernels("Stream #7")
+    assert not _profile.runs_kernels("Stream #15(MemcpyH2D)")
+    assert not _profile.runs_kernels("XLA Modules")
+    assert not _profile.runs_kernels("XLA Ops")
 
 
 def test_the_decode_benchmark_runs_its_kernels_and_generate_on_a_cpu(tmp_path):

@@ -26,10 +26,11 @@ from benchmarks import _profile
 from flax_layers import HybridLM, HybridLMConfig
 
 
-def seconds(model, prompt, new, kv_dtype):
+def seconds(model, prompt, new, kv_dtype, ssm_dtype, prefill_tokens):
     def call():
         model.generate(prompt, new, temperature=0.0, rng=jax.random.key(1), kv_dtype=kv_dtype,
-                       page_size=16).block_until_ready()
+                       page_size=16, ssm_dtype=ssm_dtype,
+                       prefill_tokens=prefill_tokens).block_until_ready()
 
     call()
     times = []
@@ -52,17 +53,21 @@ def main():
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--kv-dtype", default="bfloat16")
+    parser.add_argument("--ssm-dtype", default="float32")
+    parser.add_argument("--prefill-tokens", type=int, help="generate's prefill group size")
     parser.add_argument("--preset", default="zamba2-1.2b")
     args = parser.parse_args()
     config = HybridLMConfig.preset(args.preset, dtype="bfloat16")
     model = HybridLM(config, rngs=nnx.Rngs(0))
     prompt = jax.random.randint(jax.random.key(0), (args.batch, args.prompt), 0,
                                 config.vocab_size)
-    prefill_s, _ = seconds(model, prompt, 1, args.kv_dtype)
-    full_s, call = seconds(model, prompt, args.new, args.kv_dtype)
+    run = (args.kv_dtype, args.ssm_dtype, args.prefill_tokens)
+    prefill_s, _ = seconds(model, prompt, 1, *run)
+    full_s, call = seconds(model, prompt, args.new, *run)
     steps = args.new - 1
     row = dict(flags=os.environ.get("XLA_FLAGS", ""), batch=args.batch, prompt=args.prompt,
-               new=args.new, kv_dtype=args.kv_dtype, prefill_ms=1e3 * prefill_s,
+               new=args.new, kv_dtype=args.kv_dtype, ssm_dtype=args.ssm_dtype,
+               prefill_tokens=args.prefill_tokens, prefill_ms=1e3 * prefill_s,
                full_ms=1e3 * full_s, step_ms=1e3 * (full_s - prefill_s) / steps)
     events, planes = _profile.kernel_events(call)
     if not events:
