@@ -1,6 +1,7 @@
 """The sweep behind kv_cache/tuning.py's rows (benchmarks/NOTES.md): attention_with_kv_cache's
 device time (`_timing.chained_seconds`) at decode.py's three shapes, bf16 and int8 caches, over
-the tile (block_k, num_warps, num_stages) and, for the long row, the number of splits. The
+the tile (block_k, num_warps, num_stages), at the GPU family's paged read (`gather_rows`), and,
+for the long row, the number of splits. The
 tile stands in for tuning's table (`tuning.table`) before each traced call. The best tile can
 change with jaxlib, whose Triton compiles the kernel: each line records the jaxlib version. On the
 GPU machine, from the repository root:
@@ -47,7 +48,9 @@ def main():
     args = parser.parse_args()
     family = _device.family(jax.devices()[0].device_kind)
     copy_gbs = decode.copy_bandwidth(1 / 64 if args.quick else 1.0)["gbps"]
-    tiles = [tuning.DecodeBlocks(*tile) for tile in itertools.product(
+    # The family's paged read (gather_rows) as its table row has it.
+    gather_rows = tuning.table(tuning.row_bytes(decode.HEAD_DIM, "bfloat16"))[family].gather_rows
+    tiles = [tuning.DecodeBlocks(*tile, gather_rows=gather_rows) for tile in itertools.product(
         args.block_ks, args.warps, args.stages)]
     tiles = tiles[:2] if args.quick else tiles
     extra_splits = _ints(args.splits) if args.splits else ()
@@ -63,7 +66,7 @@ def main():
                 v_pages)
             configs = [(tile, splits) for tile in tiles for splits in (None, *extra_splits)]
             if name == "long":
-                configs += [(tuning.DecodeBlocks(bk, 4, 3), s)
+                configs += [(tuning.DecodeBlocks(bk, 4, 3, gather_rows), s)
                             for bk, s in itertools.product((32, 64, 128), LONG_SPLITS)]
             for int8, (tile, splits) in itertools.product(int8s, configs):
                 tuning.table = lambda key_row_bytes, tile=tile: {family: tile}
