@@ -3,8 +3,7 @@ device time (`_timing.chained_seconds`) at decode.py's three shapes, bf16 and in
 the tile (block_k, num_warps, num_stages), at the GPU family's paged read (`gather_rows`), and,
 for the long row, the number of splits. The tile stands in for tuning's table (`tuning.table`)
 before each traced call. The best tile can change with jaxlib, whose Triton compiles the
-kernel: each line records the jaxlib version. On the
-GPU machine, from the repository root:
+kernel: each line records the jaxlib version. On the GPU machine, from the repository root:
 
     python -m benchmarks.experiments.decode_tune --out "$OUT/decode_tune.jsonl"
 
