@@ -46,14 +46,16 @@ def device_kernel_events(call):
 
 
 def runs_kernels(line_name):
-    """Whether a GPU plane's line is a stream that runs kernels: "Stream #14(Compute)" or
-    "Stream #14(Memset,MemcpyD2D,Compute)" (a stream that also copies; its copies count as its
-    work), not "Stream #15(MemcpyH2D)" nor the plane's summary lines."""
+    """Whether a GPU plane's line is a stream that runs kernels: CUDA's "Stream #14(Compute)"
+    or "Stream #14(Memset,MemcpyD2D,Compute)" (a stream that also copies; its copies count as
+    its work), ROCm's "Stream #3(Kernel)"; not a stream that only copies or sets memory
+    ("Stream #15(MemcpyH2D)") nor the plane's summary lines."""
     name = line_name.lower()
     if "stream" not in name:
         return False
     kinds = re.search(r"\((.*)\)", name)
-    return kinds is None or "compute" in kinds.group(1)
+    return kinds is None or not all(kind.strip().startswith(("memcpy", "memset"))
+                                    for kind in kinds.group(1).split(","))
 
 
 _COLLECTIVE = re.compile(r"nccl|rccl", re.IGNORECASE)  # NCCL's and RCCL's kernels

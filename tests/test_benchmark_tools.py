@@ -36,8 +36,10 @@ def test_collective_overlap_without_collectives_or_compute():
 def test_kernel_lines_are_the_streams_that_compute():
     assert _profile.runs_kernels("Stream #14(Compute)")
     assert _profile.runs_kernels("Stream #14(Memset,MemcpyD2D,Compute)")
+    assert _profile.runs_kernels("Stream #3(Kernel)")  # ROCm's
     assert _profile.runs_kernels("Stream #7")
     assert not _profile.runs_kernels("Stream #15(MemcpyH2D)")
+    assert not _profile.runs_kernels("Stream #16(Memset,MemcpyD2H)")
     assert not _profile.runs_kernels("XLA Modules")
     assert not _profile.runs_kernels("XLA Ops")
 

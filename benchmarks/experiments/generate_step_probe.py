@@ -76,8 +76,10 @@ def main():
         # The decode steps follow the prefill: they start at the first decode-attention kernel
         # (the prefill runs flash attention). A window of the step time x steps back from the
         # trace's end took in ~150 ms of prefill at B 64 (its step time is full - prefill).
-        start = min((s for name, s, _ in events if name.startswith("attention_with_kv_cache")),
-                    default=max(s + d for _, s, d in events) - 1e6 * row["step_ms"] * steps)
+        starts = [s for name, s, _ in events if name.startswith("attention_with_kv_cache")]
+        row["decode_window"] = "from the first decode attention" if starts else "step x steps"
+        start = min(starts, default=max(s + d for _, s, d in events)
+                    - 1e6 * row["step_ms"] * steps)
         decode = [e for e in events if e[1] >= start]
         busy = sum(d for _, _, d in decode)
         by_family = collections.Counter()

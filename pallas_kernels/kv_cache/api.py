@@ -100,8 +100,9 @@ def attention_with_kv_cache(
         head_dim_pad=_device.pow2_at_least(h), scale=scale, logits_soft_cap=logits_soft_cap,
         window_left=window_left, key_format=layout.key_format,
         value_format=layout.value_format, page_size=layout.page_size, block_k=block_k,
-        gather_rows=plan.blocks.gather_rows, blocks_per_split=plan.blocks_per_split,
-        interpret=interpret)
+        gather_rows=plan.blocks.gather_rows,
+        zero_int8_past_length=plan.blocks.zero_int8_past_length,
+        blocks_per_split=plan.blocks_per_split, interpret=interpret)
     table = None
     if block_table is not None:  # whole blocks of pages (the padding lies past every row)
         per_block = block_k // layout.page_size

@@ -47,7 +47,8 @@ class Static:
     value_format: quantization.Format
     page_size: int | None  # None: a dense cache
     block_k: int
-    gather_rows: bool  # tuning.DecodeBlocks'
+    gather_rows: bool  # these two: tuning.DecodeBlocks'
+    zero_int8_past_length: bool
     blocks_per_split: int
     interpret: bool
 
@@ -67,8 +68,9 @@ def _pages(refs, b, j, static):
 
 def _read(cache, scales, j, pages, static):
     """Block j of a row's keys or values: (block_k, H_pad) entries (zeros past H) and
-    (block_k,) scales or None, from the dense row (pages None) or from the block's `pages`.
-    Lanes past H are masked loads, never read: the last head's would lie past the cache."""
+    (block_k,) scales or None, from the dense row (pages None) or from the block's `pages`,
+    gathered row by row or read page by page (`static.gather_rows`). Lanes past H are masked
+    loads, never read: the last head's would lie past the cache."""
     bk, h_pad = static.block_k, static.head_dim_pad
     lanes = jax.lax.broadcasted_iota(jnp.int32, (1, h_pad), 1)
     if pages is None:
@@ -123,10 +125,10 @@ def _decode_kernel(refs, *, static):
     q = refs.q[...]
 
     def step(j, carry):
-        # The block's page ids come from the step before (the loop's carry), so no cache read
-        # depends on a load of its own step: Triton then pipelines the cache reads (two
-        # blocks in flight) as it does a dense cache's (ids read in their own step: int8
-        # 0.34 against 0.31-0.33 ms on an H100, benchmarks/NOTES.md "Serving").
+        # The block's page ids come from the step before (the loop's carry): upstream Triton
+        # then double-buffers the cache reads as a dense cache's; jaxlib 0.11.2's schedules
+        # the ids' load in the reads' step all the same, and still runs faster (ids read in
+        # their own step: int8 0.34 against 0.31-0.33 ms on an H100, benchmarks/NOTES.md).
         acc, row_max, row_sum, pages = carry
         next_pages = _pages(refs, b, j + 1, static)
         k, k_scale = _read(refs.k, refs.k_scale, j, pages, static)
@@ -149,11 +151,10 @@ def _decode_kernel(refs, *, static):
         if v_scale is not None:
             probs = probs * jnp.where(present, v_scale, 0.0)[None, :]
         v = quantization.decode(v, static.value_format, q.dtype)
-        if static.value_format is not quantization.INT8 or not static.gather_rows:
-            # An int8 value is never NaN, so its slot needs no select (its probability is 0):
-            # without it NVIDIA's Triton converts gathered int8 values in the dot's layout,
-            # not through shared memory (-2.5% on an H100); gfx942's pages read keeps it
-            # (160 VGPRs, 251 without).
+        # Slots past the length may hold NaN, which a probability of 0 does not cancel: zeroed.
+        # An int8 value is never NaN (tuning's table says where its select is kept).
+        if (static.value_format is not quantization.INT8
+                or static.zero_int8_past_length):
             v = jnp.where(present[:, None], v, 0)
         acc = acc * rescale[:, None] + jnp.dot(probs.astype(q.dtype), v,
                                                preferred_element_type=jnp.float32)

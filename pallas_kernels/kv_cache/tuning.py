@@ -16,23 +16,28 @@ from pallas_kernels import _compat, _device
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlocks:
-    """`block_k` keys per step (a power of two, >= 16); Triton's warps and stages; and how a
-    paged block is read: `gather_rows`, as one (block_k, H) gather, each key's row from its
-    page, or else as (pages, page_size, H) reshaped (`forward._read`)."""
+    """`block_k` keys per step (a power of two, >= 16); Triton's warps and stages;
+    `gather_rows`: a paged block read as one (block_k, H) gather, each key's row from its page,
+    else as (pages, page_size, H) reshaped (`forward._read`); `zero_int8_past_length`: int8
+    values in slots past a row's length zeroed by a select before the P.V matmul, as float
+    values must be (they may be NaN; an int8 value never is, and its probability is 0)."""
 
     block_k: int
     num_warps: int
     num_stages: int
     gather_rows: bool = True
+    zero_int8_past_length: bool = False
 
 
-# gather_rows: NVIDIA's Triton stages a gathered block in shared memory as a dense one (H100,
-# B 64 at 8192 keys: int8 0.31 -> 0.25 ms, bf16 0.40 -> 0.39). gfx942 keeps the pages read,
-# the only way its int8 kernel keeps 160 VGPRs (3 waves per SIMD; gathered 212 or 261).
+# NVIDIA's Triton stages a gathered block in shared memory as a dense one, and without the int8
+# select converts int8 values in the matmul's layout (H100, B 64 at 8192 keys, jaxlib 0.11.2:
+# int8 0.31 -> 0.25 -> 0.243 ms, bf16 0.40 -> 0.39; the jaxlib 0.12 row below takes both
+# untimed). gfx942 keeps the pages read and the select: its int8 kernel's 160 VGPRs (3 waves
+# per SIMD) become 212-261 with either change.
 _TABLE = {
     "hopper": DecodeBlocks(64, 4, 3),
     "ampere": DecodeBlocks(64, 4, 2),
-    "cdna": DecodeBlocks(64, 4, 1, gather_rows=False),
+    "cdna": DecodeBlocks(64, 4, 1, gather_rows=False, zero_int8_past_length=True),
     "fallback": DecodeBlocks(64, 4, 2),
 }
 # Rows that jaxlib 0.12's Triton wants otherwise, for key rows of at most WIDE_ROW_BYTES (bf16 to

@@ -58,6 +58,9 @@ CASES = [
     ("b3-t1-page16-f32q-bf16-g8-h80-split4-boundaries",
      dict(b=3, t=1, n=16, k=2, h=80, page_size=16, max_pages=16, lengths=(16, 144, 256),
           cache_dtype=BF16), dict(num_splits=4)),
+    ("b3-t4-page16-bf16q-int8-g4-h80-auto-window",
+     dict(b=3, t=4, n=8, k=2, h=80, page_size=16, max_pages=8, lengths=(5, 64, 100),
+          cache_dtype=INT8, q_dtype=BF16), dict(local_window_size=9)),
 ]
 
 PATHS = {
@@ -107,22 +110,24 @@ def test_matches_reference_on_poisoned_caches(case, path):
                    tol=tolerance(spec.get("q_dtype", F32), spec.get("cache_dtype", F32)))
 
 
-TABLE_READS = sorted({(tile.block_k, tile.gather_rows)
+TABLE_READS = sorted({(tile.block_k, tile.gather_rows, tile.zero_int8_past_length)
                       for table in (tuning._TABLE, tuning._TABLE_JAXLIB_0_12)
                       for tile in table.values()})
+TILE_CASES = (1, 2, 4, 7, 12)
 
 
-@pytest.mark.parametrize(("block_k", "gather_rows"), TABLE_READS)
-@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4], CASES[7]],
-                         ids=[CASES[i][0] for i in (1, 2, 4, 7)])
-def test_matches_reference_at_every_tile_of_the_tables(case, block_k, gather_rows, monkeypatch):
-    """The keys a step and the paged read of every GPU's table row (this CPU runs the fallback
-    row), jaxlib 0.12's rows included, on poisoned caches: a step wider than a short cache,
-    pages per step, rows gathered or pages read."""
+@pytest.mark.parametrize(("block_k", "gather_rows", "zero_int8"), TABLE_READS)
+@pytest.mark.parametrize("case", [CASES[i] for i in TILE_CASES],
+                         ids=[CASES[i][0] for i in TILE_CASES])
+def test_matches_reference_at_every_tile_of_the_tables(case, block_k, gather_rows, zero_int8,
+                                                       monkeypatch):
+    """The keys a step and the reads of every GPU's table row (this CPU runs the fallback row),
+    jaxlib 0.12's rows included, on poisoned caches: a step wider than a short cache, pages
+    per step, rows gathered or pages read, int8 values past the lengths selected or not."""
     name, spec, call = case
     monkeypatch.setattr(tuning, "table", lambda key_row_bytes: dict.fromkeys(
         ("hopper", "ampere", "cdna", "fallback"),
-        tuning.DecodeBlocks(block_k, 4, 2, gather_rows)))
+        tuning.DecodeBlocks(block_k, 4, 2, gather_rows, zero_int8)))
     q, seqlens, clean, dirty = make_case(_seed(name), **spec)
     out, lse = _attend("pallas", q, seqlens, dirty, **call)
     ref_out, ref_lse = _exact(q, seqlens, clean, **call)
@@ -130,7 +135,8 @@ def test_matches_reference_at_every_tile_of_the_tables(case, block_k, gather_row
                    tol=tolerance(spec.get("q_dtype", F32), spec.get("cache_dtype", F32)))
 
 
-@pytest.mark.parametrize("case", [CASES[2], CASES[7]], ids=[CASES[2][0], CASES[7][0]])
+@pytest.mark.parametrize("case", [CASES[i] for i in (2, 7, 12)],
+                         ids=[CASES[i][0] for i in (2, 7, 12)])
 def test_kernel_poisoned_equals_clean_bitwise(case):
     """What lies past the lengths and in unreferenced pages changes no bit of the output."""
     name, spec, call = case
