@@ -1,6 +1,6 @@
 """The sweep behind kv_cache/tuning.py's rows (benchmarks/NOTES.md): attention_with_kv_cache's
 device time (`_timing.chained_seconds`) at decode.py's three shapes, bf16 and int8 caches, over
-the tile (block_k, num_warps, num_stages), at the GPU family's paged read (`gather_rows`), and,
+the tile (block_k, num_warps, num_stages), at the GPU family's reads (`gather_rows`, ...), and,
 for the long row, the number of splits. The tile stands in for tuning's table (`tuning.table`)
 before each traced call. The best tile can change with jaxlib, whose Triton compiles the
 kernel: each line records the jaxlib version. On the GPU machine, from the repository root:
@@ -47,10 +47,10 @@ def main():
     args = parser.parse_args()
     family = _device.family(jax.devices()[0].device_kind)
     copy_gbs = decode.copy_bandwidth(1 / 64 if args.quick else 1.0)["gbps"]
-    # The family's paged read (gather_rows) as its table row has it.
-    gather_rows = tuning.table(tuning.row_bytes(decode.HEAD_DIM, "bfloat16"))[family].gather_rows
-    tiles = [tuning.DecodeBlocks(*tile, gather_rows=gather_rows) for tile in itertools.product(
-        args.block_ks, args.warps, args.stages)]
+    # The family's reads (gather_rows, zero_int8_past_length) as its table row has them.
+    table_row = tuning.table(tuning.row_bytes(decode.HEAD_DIM, "bfloat16"))[family]
+    tiles = [dataclasses.replace(table_row, block_k=bk, num_warps=warps, num_stages=stages)
+             for bk, warps, stages in itertools.product(args.block_ks, args.warps, args.stages)]
     tiles = tiles[:2] if args.quick else tiles
     extra_splits = _ints(args.splits) if args.splits else ()
     int8s = [dtype == "int8" for dtype in args.dtypes.split(",")]
@@ -65,7 +65,8 @@ def main():
                 v_pages)
             configs = [(tile, splits) for tile in tiles for splits in (None, *extra_splits)]
             if name == "long":
-                configs += [(tuning.DecodeBlocks(bk, 4, 3, gather_rows), s)
+                configs += [(dataclasses.replace(table_row, block_k=bk, num_warps=4,
+                                                 num_stages=3), s)
                             for bk, s in itertools.product((32, 64, 128), LONG_SPLITS)]
             for int8, (tile, splits) in itertools.product(int8s, configs):
                 tuning.table = lambda key_row_bytes, tile=tile: {family: tile}
