@@ -213,11 +213,12 @@ def dense_cache(pages, block_table, *, head_major):
 
 @jax.jit
 def quantise_int8(pages):
-    """(int8 entries, float32 scales (pages, page_size, K)) of a cache, one scale per token
+    """(int8 entries, float32 scales (pages, K, page_size)) of a cache, one scale per token
     and KV head, as update_kv_cache writes them."""
     from pallas_kernels.kv_cache import quantization
 
-    return quantization.encode(pages, jnp.int8, True)
+    entries, scales = quantization.encode(pages, jnp.int8, True)
+    return entries, jnp.swapaxes(scales, 1, 2)
 
 
 def check_rows(out):

@@ -144,7 +144,7 @@ class KVCache(NamedTuple):
     """A decode cache: keys and values, dense (B, L, K, H) or paged (pages, page_size, K, H)
     with `block_table` (B, pages per row); how many positions of each row are filled,
     `lengths` (B,) int32; for 8-bit caches the float32 scales per token and KV head, `k_scale`
-    and `v_scale` (the cache's shape without H), else None. See
+    and `v_scale` ((B, K, L) or (pages, K, page_size)), else None. See
     `pallas_kernels.attention_with_kv_cache`.
 
     The batch and the capacity are static: the arrays' shapes.
@@ -200,7 +200,8 @@ def empty_kv_cache(batch, max_length, kv_heads, head_dim, dtype=jnp.float32, pag
         shape = (batch * per_row, page_size, kv_heads, head_dim)
         block_table = jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row)
     scaled = jnp.dtype(dtype).itemsize == 1
-    scales = [jnp.zeros(shape[:-1], jnp.float32) if scaled else None for _ in range(2)]
+    scale_shape = (shape[0], kv_heads, shape[1])  # each KV head's scales along its keys
+    scales = [jnp.zeros(scale_shape, jnp.float32) if scaled else None for _ in range(2)]
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                    jnp.zeros((batch,), jnp.int32), *scales, block_table)
 

@@ -104,8 +104,9 @@ def make_case(seed, *, b, t, n, k, h, lengths, cache_dtype=jnp.float32, q_dtype=
         caches[1].append(poison(stored, scale, valid))
     out = []
     for (k_cache, k_scale), (v_cache, v_scale) in caches:
-        scales = {} if k_scale is None else dict(k_scale=jnp.asarray(k_scale),
-                                                 v_scale=jnp.asarray(v_scale))
+        # Scales as the kernel takes them, each KV head's along its keys: (rows, K, slots).
+        scales = {} if k_scale is None else dict(k_scale=jnp.asarray(np.swapaxes(k_scale, 1, 2)),
+                                                 v_scale=jnp.asarray(np.swapaxes(v_scale, 1, 2)))
         out.append((jnp.asarray(k_cache), jnp.asarray(v_cache), {**kw, **scales}))
     return jnp.asarray(q, q_dtype), jnp.asarray(lengths), out[0], out[1]
 

@@ -117,14 +117,15 @@ def _decode(kv_dtype, paged=True, head_dim=128, t=1):
         b, n, k, capacity, page = 8, 32, 4, 8192, 16
         shape = (b * capacity // page, page, k, head_dim) if paged else (b, capacity, k, head_dim)
         scaled = jnp.dtype(kv_dtype).itemsize == 1
+        scale_shape = (shape[0], k, shape[1])  # each KV head's scales along its keys
         args = dict(
             q=jax.ShapeDtypeStruct((b, t, n, head_dim), jnp.bfloat16),
             k_cache=jax.ShapeDtypeStruct(shape, kv_dtype),
             v_cache=jax.ShapeDtypeStruct(shape, kv_dtype),
             cache_seqlens=jax.ShapeDtypeStruct((b,), jnp.int32),
             block_table=jax.ShapeDtypeStruct((b, capacity // page), jnp.int32) if paged else None,
-            k_scale=jax.ShapeDtypeStruct(shape[:-1], jnp.float32) if scaled else None,
-            v_scale=jax.ShapeDtypeStruct(shape[:-1], jnp.float32) if scaled else None,
+            k_scale=jax.ShapeDtypeStruct(scale_shape, jnp.float32) if scaled else None,
+            v_scale=jax.ShapeDtypeStruct(scale_shape, jnp.float32) if scaled else None,
         )
 
         def step(args):

@@ -53,7 +53,8 @@ def measure(label, batch, heads, kv_heads, page, dense, shuffled, scales_read, i
     if int8:
         (k, k_scale), (v, v_scale) = decode.quantise_int8(k), decode.quantise_int8(v)
         if dense:
-            k_scale, v_scale = (_cache(s[..., None], table, True)[..., 0]
+            k_scale, v_scale = (jnp.swapaxes(_cache(jnp.swapaxes(s, 1, 2)[..., None], table,
+                                                    True)[..., 0], 1, 2)
                                 for s in (k_scale, v_scale))
     k, v = _cache(k, table, dense), _cache(v, table, dense)
     read = forward._read

@@ -67,7 +67,7 @@ def written(dtype):
     """The cache after writing each row's first `lengths` tokens, one at a time as decoding
     does (positions past a row's length stay zero)."""
     k_cache = v_cache = jnp.zeros((16, page, kv_heads, head_dim), dtype)
-    scales = (jnp.zeros((16, page, kv_heads)),) * 2 if dtype == jnp.int8 else (None, None)
+    scales = (jnp.zeros((16, kv_heads, page)),) * 2 if dtype == jnp.int8 else (None, None)
     write = jax.jit(pallas_kernels.update_kv_cache)
     for t in range(int(lengths.max())):
         step = jnp.minimum(lengths - t, 1)  # rows that are done write past their capacity

@@ -51,8 +51,9 @@ def attention_with_kv_cache(
         are clipped to it).
       block_table: (B, max_pages) integers: row b's key j lies in page block_table[b, j //
         page_size], slot j % page_size. Pages may be shared and in any order.
-      k_scale, v_scale: float32, the cache's shape without H: stored entry * scale is the key
-        or value (per token and KV head).
+      k_scale, v_scale: float32, one per token and KV head, each head's along its keys: (B, K,
+        S) for a dense cache, (pages, K, page_size) for a paged one. Stored entry * scale is
+        the key or value.
       scale: logit scale, default 1/sqrt(H).
       local_window_size: an int w or (left, right): a query also sees no key more than `left`
         positions before its own (causality bounds the right side).
@@ -194,8 +195,8 @@ def update_kv_cache(
         if cache.dtype == jnp.float8_e4m3fnuz:
             entries = jax.lax.bitcast_convert_type(entries, cache.dtype)
         cache = cache.at[index].set(entries, mode="drop")
-        if scales is not None:
-            scales = scales.at[index].set(new_scales, mode="drop")
+        if scales is not None:  # (rows or pages, K, slots): the token's K scales at once
+            scales = scales.at[index[0], :, index[1]].set(new_scales, mode="drop")
         return cache, scales
 
     k_cache, k_scale = write(k_cache, k_scale, k)

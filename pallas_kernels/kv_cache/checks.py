@@ -27,8 +27,8 @@ class Layout:
 
 def check_cache(k_cache, v_cache, block_table, k_scale, v_scale, batch):
     """The Layout of a dense cache (B, S, K, H), or of a paged one (pages, page_size, K, H)
-    with `block_table` (B, max_pages) integers; scales (the cache's shape without H, float32)
-    present where the dtype asks for them."""
+    with `block_table` (B, max_pages) integers; scales (`scale_shape`, float32) present where
+    the dtype asks for them."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not hasattr(cache, "shape") or cache.ndim != 4:
             raise ValueError(f"{name} must be rank 4, (B, S, K, H) or (pages, page_size, K, H), "
@@ -47,9 +47,10 @@ def check_cache(k_cache, v_cache, block_table, k_scale, v_scale, batch):
                 raise ValueError(f"{name} must be None for a float cache")
             if scale.dtype != jnp.float32:
                 raise TypeError(f"{name} must be float32, got {scale.dtype}")
-            if scale.shape != k_cache.shape[:-1]:
-                raise ValueError(f"{name} must have the cache's shape without H, "
-                                 f"{k_cache.shape[:-1]}, got {scale.shape}")
+            if scale.shape != scale_shape(k_cache.shape):
+                raise ValueError(f"{name} must be (B, K, S) or (pages, K, page_size), one scale "
+                                 f"per token and KV head: {scale_shape(k_cache.shape)} for this "
+                                 f"cache, got {scale.shape}")
     slots, size, kv_heads, head_dim = k_cache.shape
     if block_table is None:
         if slots != batch:
@@ -71,6 +72,14 @@ def check_cache(k_cache, v_cache, block_table, k_scale, v_scale, batch):
         raise ValueError(f"k_cache: head dim {head_dim} must be in [1, 256] and no axis empty, "
                          f"got {k_cache.shape}")
     return Layout(batch, capacity, kv_heads, head_dim, page_size, *formats)
+
+
+def scale_shape(cache_shape):
+    """The shape of a quantised cache's scales, one per token and KV head: (B, K, S) for a
+    dense cache (B, S, K, H), (pages, K, page_size) for a paged one: each head's scales lie
+    along its keys, so that the kernel reads a block's as one run, not one sector each."""
+    rows, slots, kv_heads, _ = cache_shape
+    return rows, kv_heads, slots
 
 
 def check_query(q):

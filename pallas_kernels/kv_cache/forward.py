@@ -179,7 +179,7 @@ def partials(q, k, v, seqlens, block_table, k_scale, v_scale, *, static, splits,
     q (B, K, R, H_pad) packed query rows; k, v the caches as stored (dense (B, S, K, H) with
     S % block_k == 0, or paged (pages, page_size, K, H)); seqlens (B,) int32; block_table
     (B, max_pages) int32 with max_pages a multiple of block_k // page_size, or None; k_scale,
-    v_scale float32 of the caches' shapes without H, or None. Returns out (splits, B, K, R,
+    v_scale float32 (B, K, S) or (pages, K, page_size), or None. Returns out (splits, B, K, R,
     H_pad) float32, normalised per split, and lse (splits, B, K, R) float32 in base 2 (-inf
     where a split saw no key).
     """
@@ -187,22 +187,22 @@ def partials(q, k, v, seqlens, block_table, k_scale, v_scale, *, static, splits,
     paged = static.page_size is not None
     if paged:
         cache_block = (k.shape[0], static.page_size, None, h_pad)
-        scale_block = (k.shape[0], static.page_size, None)
+        scale_block = (k.shape[0], None, static.page_size)
 
         def cache_map(s, h, b):
             return 0, 0, h, 0
 
         def scale_map(s, h, b):
-            return 0, 0, h
+            return 0, h, 0
     else:
         cache_block = (None, k.shape[1], None, h_pad)
-        scale_block = (None, k.shape[1], None)
+        scale_block = (None, None, k.shape[1])
 
         def cache_map(s, h, b):
             return b, 0, h, 0
 
         def scale_map(s, h, b):
-            return b, 0, h
+            return b, h, 0
 
     table_spec = None if block_table is None else pl.BlockSpec(block_table.shape,
                                                               lambda s, h, b: (0, 0))

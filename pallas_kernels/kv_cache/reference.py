@@ -33,8 +33,8 @@ def attention_with_kv_cache(
     p = cache_seqlens[b] - T + t and sees the keys j <= p, and with `local_window_size` (w, or
     (left, right), whose right side the causal bound makes moot) only those with j >= p - left.
     Quantised caches (int8, float8_e4m3fn, or uint8 holding float8_e4m3fnuz bits) are read as
-    stored value * scale, `k_scale`/`v_scale` float32 shaped like the cache without H. The
-    arguments are assumed valid (the public API checks them).
+    stored value * scale, `k_scale`/`v_scale` float32 (B, K, S) or (num_pages, K, page_size).
+    The arguments are assumed valid (the public API checks them).
 
     Returns the output (B, T, N, H) in q's dtype and, with `return_residual`, the natural-log
     log-sum-exp of the logits, (B, T, N) float32. A query that sees no key (p < 0, or a window
@@ -77,9 +77,11 @@ def read_cache(cache, cache_seqlens, *, block_table=None, scale=None):
     whatever the slot or its scale holds, NaN included) at and past cache_seqlens (B,).
 
     `cache` is dense (B, S, K, H), or paged (num_pages, page_size, K, H) with `block_table`
-    (B, max_pages), capacity max_pages * page_size; `scale` is None or float32 shaped like the
-    cache without H. A uint8 cache holds the bits of float8_e4m3fnuz.
+    (B, max_pages), capacity max_pages * page_size; `scale` is None or float32, (B, K, S) or
+    (num_pages, K, page_size). A uint8 cache holds the bits of float8_e4m3fnuz.
     """
+    if scale is not None:
+        scale = jnp.swapaxes(scale, 1, 2)  # as the cache's axes: (rows or pages, slots, K)
     if block_table is not None:
         cache = _gather_pages(cache, block_table)
         scale = None if scale is None else _gather_pages(scale, block_table)

@@ -230,8 +230,9 @@ def test_update_then_read_gives_the_written_values(update):
             unit = absmax / QMAX[jnp.dtype(cache_dtype)] if scaled else 1.0
             bound = np.abs(x) * 2.0**-4 + unit * 2.0**-10 + absmax * 1e-6
         assert np.all(err <= bound), f"{what}: error {np.max(err - bound)} past the bound"
-        if scaled:
-            written_scale = _written_slots(np.asarray(scale), seqlens, t, table)
+        if scaled:  # scales (rows or pages, K, slots) as (rows or pages, slots, K)
+            scale, old_scale = (np.swapaxes(np.asarray(s), 1, 2) for s in (scale, old_scale))
+            written_scale = _written_slots(scale, seqlens, t, table)
             np.testing.assert_allclose(
                 written_scale, absmax[..., 0] / QMAX[jnp.dtype(cache_dtype)], rtol=1e-6,
                 err_msg=f"{what} scale")
@@ -286,7 +287,7 @@ def _bad_calls():
     q = jnp.zeros((2, 1, 4, 16))
     cache = jnp.zeros((2, 32, 2, 16))
     int8 = cache.astype(INT8)
-    scale = jnp.ones((2, 32, 2))
+    scale = jnp.ones((2, 2, 32))
     seqlens = jnp.array([3, 5], jnp.int32)
     table = jnp.zeros((2, 2), jnp.int32)
     odd = jnp.zeros((2, 40, 2, 16))  # 40 slots: a dense row, not a page
@@ -342,8 +343,9 @@ def test_poisoned_slots_are_the_unreadable_ones():
         readable[tuple(_slots(np.zeros(1, int), length, table[row:row + 1], 16))] = True
     expected, _ = poison(np.asarray(clean[0]), None, readable)
     np.testing.assert_array_equal(np.asarray(dirty[0]), np.asarray(expected))
-    assert np.all(np.isnan(np.asarray(dirty[2]["k_scale"])[~readable]))
-    assert not np.any(np.isnan(np.asarray(dirty[2]["k_scale"])[readable]))
+    scales = np.swapaxes(np.asarray(dirty[2]["k_scale"]), 1, 2)  # (pages, slots, K)
+    assert np.all(np.isnan(scales[~readable]))
+    assert not np.any(np.isnan(scales[readable]))
 
 
 @pytest.mark.parametrize("implementation", ["pallas", "xla"])
