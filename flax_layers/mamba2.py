@@ -218,6 +218,15 @@ class Mamba2(nnx.Module):
             out = conv(xbc, history, seq_idx, None, *weights)
         return out[..., :self.d_ssm], out[..., self.d_ssm:]
 
+    @jax.named_scope("conv")
+    def _conv_token(self, xbc, history):
+        """One token's conv + SiLU, xbc (B, 1, C) after `history`, as (x (B, d_ssm), [B, C]
+        (B, 2 G N)): the jnp expression (one XLA fusion), not the kernel, whose launch and
+        padded history cost more than the few bytes a token reads."""
+        weights = (self.conv_weight[...], None if self.conv_bias is None else self.conv_bias[...])
+        out = _causal_conv("xla", xbc, history, None, None, *weights)[:, 0]
+        return out[..., :self.d_ssm], out[..., self.d_ssm:]
+
     def _heads(self, x, b, c):
         lead = x.shape[:-1]
         return (x.reshape(*lead, self.nheads, self.headdim),
@@ -359,7 +368,7 @@ class Mamba2(nnx.Module):
     def _step(self, z, xbc, dt, conv_state, ssm_state):
         """One token (B, 1, ...) through the conv state and `selective_state_update`. Returns
         (y (B, 1, d_ssm), (conv state, SSM state) after it)."""
-        x, b, c = self._ssd_inputs(*(part[:, 0] for part in self._conv(xbc, conv_state)))
+        x, b, c = self._ssd_inputs(*self._conv_token(xbc, conv_state))
         y, ssm_state = pallas_kernels.selective_state_update(
             ssm_state, x, dt[:, 0], -jnp.exp(self.A_log[...]), b, c, D=self._d(),
             z=None if self.rmsnorm else z[:, 0].reshape(x.shape), dt_bias=self.dt_bias[...],
