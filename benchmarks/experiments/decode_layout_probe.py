@@ -4,13 +4,16 @@ an int8 cache, laid out as the benchmark's (16-slot pages, KV heads interleaved)
 head per row (B 256, 8:1: each program's keys contiguous within a page), with 64-slot pages,
 as a dense cache (no block table), with the pages in order (row b's pages b·P .. b·P + P - 1:
 the dense cache's bytes where they lie, read through the table), and int8 with its scales not
-read (wrong values: only the time counts); and the benchmark's layout at 32:32 heads.
+read (wrong values: only the time counts); and at 32:32 heads the benchmark's layout and a
+dense cache, each with and without int8 scales read.
 `--stages` times each at those Triton stages instead of the tuning table's. On the GPU
 machine, from the repository root:
 
     python -m benchmarks.experiments.decode_layout_probe --out "$OUT/decode_layout_probe.jsonl"
     python -m benchmarks.experiments.decode_layout_probe --stages 1,3 --variants 0,4 \
         --out "$OUT/decode_layout_stages.jsonl"
+    python -m benchmarks.experiments.decode_layout_probe --variants 6,7,8,9 \
+        --out "$OUT/ladder.jsonl"   # results/decode_scales_ladder_h100.jsonl (int8 rows)
 """
 import argparse
 import dataclasses
@@ -32,6 +35,9 @@ VARIANTS = [
     ("dense", 64, 32, 4, 16, True, True, True),
     ("pages of 16, int8 scales not read", 64, 32, 4, 16, False, True, False),
     ("32:32 heads, pages of 16", 64, 32, 32, 16, False, True, True),
+    ("32:32 heads, pages of 16, int8 scales not read", 64, 32, 32, 16, False, True, False),
+    ("32:32 heads, dense", 64, 32, 32, 16, True, True, True),
+    ("32:32 heads, dense, int8 scales not read", 64, 32, 32, 16, True, True, False),
 ]
 
 
