@@ -33,7 +33,8 @@ class HybridLMConfig:
     of two, ...), a `dtype` that is not a floating dtype or None, an unknown `implementation`,
     `attention_implementation`, `context_parallelism` or `sequence_order`.
 
-    `implementation` picks the kernels or the jnp references for every op;
+    `implementation` picks the kernels or the jnp references for every op (but one decoded
+    token's conv, always the jnp expression: `Mamba2`);
     `attention_implementation` (default: the same) may pick "cudnn" for the shared block's
     attention (jax.nn's cuDNN attention; decoding runs the kernels). With `remat` each block's
     activations are recomputed in the backward (jax.checkpoint per Mamba2 block and per use of

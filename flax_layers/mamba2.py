@@ -66,8 +66,9 @@ class Mamba2(nnx.Module):
     `__call__(u (B, T, d_model), *, seq_idx=None, decode=None, lengths=None)` returns (B, T,
     d_model). A forward (`decode` False) never touches the caches. With `decode=True` (after
     `init_cache`) the tokens continue the cached conv and SSM states, which the call advances:
-    one token through `selective_state_update`, several (a prefill) through the chunked scan
-    from the cached states, which gives the same result. A whole sequence decoded from an
+    one token through `selective_state_update` (its conv the jnp expression, one XLA fusion,
+    whatever `implementation`), several (a prefill) through the chunked scan from the cached
+    states, which gives the same result. A whole sequence decoded from an
     empty cache gives the forward's outputs. `lengths` (B,) (decode only) says how many of each
     row's T tokens are real (a ragged prompt, padded at the end): the states advance over those
     only. `decode=None` takes the layer's `decode` (the constructor's, or `nnx.view`'s).

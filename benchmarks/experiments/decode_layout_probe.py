@@ -13,7 +13,10 @@ machine, from the repository root:
     python -m benchmarks.experiments.decode_layout_probe --stages 1,3 --variants 0,4 \
         --out "$OUT/decode_layout_stages.jsonl"
     python -m benchmarks.experiments.decode_layout_probe --variants 6,7,8,9 \
-        --out "$OUT/ladder.jsonl"   # results/decode_scales_ladder_h100.jsonl (int8 rows)
+        --out "$OUT/ladder.jsonl"
+    # results/decode_scales_ladder_h100.jsonl: `measure` at these four variants' arguments,
+    # int8 only, two runs each, labelled "mha pages", "mha dense", ..., with the layout of
+    # the scales (before and after they lay along the keys) added to each row
 """
 import argparse
 import dataclasses
