@@ -30,6 +30,7 @@ from flax_layers._checks import (
 )
 from flax_layers._sharding import logical, on_whole_sequence, sequence_parts, token_features
 from pallas_kernels import arguments, zigzag
+from pallas_kernels.kv_cache import checks as kv_cache_checks
 
 _WARNED = set()
 DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
@@ -200,8 +201,8 @@ def empty_kv_cache(batch, max_length, kv_heads, head_dim, dtype=jnp.float32, pag
         shape = (batch * per_row, page_size, kv_heads, head_dim)
         block_table = jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row)
     scaled = jnp.dtype(dtype).itemsize == 1
-    scale_shape = (shape[0], kv_heads, shape[1])  # each KV head's scales along its keys
-    scales = [jnp.zeros(scale_shape, jnp.float32) if scaled else None for _ in range(2)]
+    scales = [jnp.zeros(kv_cache_checks.scale_shape(shape), jnp.float32) if scaled else None
+              for _ in range(2)]
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                    jnp.zeros((batch,), jnp.int32), *scales, block_table)
 
