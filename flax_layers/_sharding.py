@@ -270,6 +270,30 @@ def sharded_parameters(module):
             nnx.to_flat_state(nnx.state(module, nnx.Param)) if sharded(variable)]
 
 
+def check_whole_parameters(module):
+    """A ValueError unless `module`'s parameters are whole on every device (decoding does not
+    run tensor-parallel), naming the first sharded one."""
+    sharded = sharded_parameters(module)
+    if sharded:
+        raise ValueError(f"decode=True needs whole parameters; {sharded[0]} (and "
+                         f"{len(sharded) - 1} more) are sharded: merge the model from "
+                         "flax_layers.gather_parameters(state, axes=None)")
+
+
+def row_placement(name, x):
+    """(mesh, the mesh axes of x's rows) for an (B, T) array on a mesh with Explicit axes whose
+    rows (only) are split over devices; None where nothing is split. A ValueError naming `name`
+    where its other axis is split."""
+    sharding = _explicit_sharding(x)
+    if sharding is None or not any(sharding.spec):
+        return None
+    rows, *rest = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    if any(rest):
+        raise ValueError(f"{name}: only its rows may be split over devices; its sharding is "
+                         f"{sharding.spec}")
+    return sharding.mesh, _names(rows)
+
+
 def gather_parameters(state: nnx.State,
                       axes: str | Sequence[str] | None = GATHERED_AXES) -> nnx.State:
     """The parameters gathered over the mesh `axes` (None: all of them, the parameters whole on

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 
 from flax_layers._checks import check_lengths, check_sizes, check_state_dtype, check_tokens
+from flax_layers._sharding import check_whole_parameters, row_placement
 
 
 class CausalLM(nnx.Module):
@@ -72,8 +73,15 @@ class CausalLM(nnx.Module):
         sampling inside the loop (greedy with `temperature=0`). The caches live inside the call
         (sized prompt + new tokens) and are updated in place; the model itself is not changed.
 
+        On a mesh with Explicit axes (`jax.set_mesh`), a prompt whose rows are split over
+        devices generates data-parallel: each device prefills and decodes its own rows with
+        the whole parameters (tensor-sharded ones are a ValueError: gather them first), and
+        the tokens come back split as the rows. Each row draws its sampling noise as in the
+        whole batch, so its tokens do not depend on the split.
+
         Args:
-          prompt_tokens: (B, T) integers in [0, vocab_size), T >= 1.
+          prompt_tokens: (B, T) integers in [0, vocab_size), T >= 1; only its rows may be
+            split over devices.
           max_new_tokens: an int >= 0.
           temperature: a finite number >= 0; 0 takes the most likely token.
           top_k: None or an int >= 1: sample among the k most likely tokens (and those tied
@@ -104,20 +112,32 @@ class CausalLM(nnx.Module):
         lengths = (jnp.full((batch,), t, jnp.int32) if prompt_lengths is None
                    else check_lengths(prompt_lengths, batch, t, name="prompt_lengths",
                                        minimum=1))
+        placement = row_placement("prompt_tokens", prompt_tokens)
+        if placement is not None:
+            check_whole_parameters(self)
         if max_new_tokens == 0:
             return jnp.zeros((batch, 0), jnp.int32)
         graphdef, state = nnx.split(self)
         group = PREFILL_TOKENS if prefill_tokens is None else prefill_tokens
-        return _generate(graphdef, state, prompt_tokens, lengths, rng, jnp.float32(temperature),
-                         jnp.float32(1.0 if top_p is None else top_p),
-                         jnp.asarray(sampling.stop_tokens, jnp.int32),
-                         max_new_tokens=max_new_tokens, greedy=temperature == 0,
-                         top_k=top_k, nucleus=top_p is not None,
-                         kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name,
-                         page_size=page_size, ssm_dtype=ssm_dtype.name,
-                         prefill_rows=_prefill_rows(batch, t, group),
-                         compute_dtype=None if self.config.dtype is None
-                         else jnp.dtype(self.config.dtype).name)
+        rows = batch if placement is None else batch // _devices(*placement)
+        options = dict(max_new_tokens=max_new_tokens, greedy=temperature == 0, top_k=top_k,
+                       nucleus=top_p is not None,
+                       kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name,
+                       page_size=page_size, ssm_dtype=ssm_dtype.name,
+                       prefill_rows=_prefill_rows(rows, t, group),
+                       compute_dtype=None if self.config.dtype is None
+                       else jnp.dtype(self.config.dtype).name)
+        args = (state, prompt_tokens, lengths, rng, jnp.float32(temperature),
+                jnp.float32(1.0 if top_p is None else top_p),
+                jnp.asarray(sampling.stop_tokens, jnp.int32))
+        if placement is None:
+            return _generate(graphdef, *args, **options)
+        return _generate_rows(graphdef, *args, mesh=placement[0], row_axes=placement[1],
+                              **options)
+
+
+def _devices(mesh, axes):
+    return math.prod(mesh.shape[a] for a in axes)
 
 
 # `generate`'s default prefill group, in prompt tokens: a prefill's activations grow with the
@@ -137,13 +157,14 @@ def _prefill_rows(batch, t, tokens):
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=(
     "max_new_tokens", "greedy", "top_k", "nucleus", "kv_dtype", "page_size", "ssm_dtype",
-    "prefill_rows", "compute_dtype"))
+    "prefill_rows", "compute_dtype", "row_axes"))
 def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_tokens, *,
               max_new_tokens, greedy, top_k, nucleus, kv_dtype, page_size, ssm_dtype,
-              prefill_rows, compute_dtype):
+              prefill_rows, compute_dtype, row_axes=None):
     """`CausalLM.generate`: the prefill (in groups of `prefill_rows` rows, `_prefill`) and its
     token, then the decode loop (a `lax.while_loop` whose carry holds the caches, so XLA
-    updates them in place), each step a forward of the last token and a sample."""
+    updates them in place), each step a forward of the last token and a sample. Inside
+    `_generate_rows`' shard_map over `row_axes` the rows are one device's."""
     state = _weights_in(state, compute_dtype)
     model = nnx.merge(graphdef, state)
     batch, t = prompt.shape
@@ -157,13 +178,17 @@ def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_to
         nnx.update(model, _merge_groups(nnx.state(model, nnx.Cache), caches))
     step_graph, caches, rest = nnx.split(model, nnx.Cache, ...)
     keys = jax.random.split(rng, max_new_tokens)
+    # A device's rows draw their part of the whole batch's noise: the tokens of a row do not
+    # depend on how the rows are split over devices.
+    rows = (0 if row_axes is None else jax.lax.axis_index(row_axes) * batch,
+            batch if row_axes is None else batch * jax.lax.psum(1, row_axes))
 
     def sample(logits, key):
         if greedy:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         logits = logits - jnp.max(logits, axis=-1, keepdims=True)  # no overflow at small T
         return sample_token(logits / temperature, key, top_k=top_k,
-                            top_p=top_p if nucleus else None)
+                            top_p=top_p if nucleus else None, rows=rows)
 
     def stops(token):
         return jnp.any(token[:, None] == stop_tokens[None, :], axis=1)
@@ -188,6 +213,25 @@ def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_to
     i, _, tokens, _, last = jax.lax.while_loop(unfinished, step, start)
     # Every row stopped before the end: the positions not reached repeat its last token.
     return jnp.where(jnp.arange(max_new_tokens) < i, tokens, last[:, None])
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=(
+    "mesh", "row_axes", "max_new_tokens", "greedy", "top_k", "nucleus", "kv_dtype",
+    "page_size", "ssm_dtype", "prefill_rows", "compute_dtype"))
+def _generate_rows(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_tokens, *,
+                   mesh, row_axes, **options):
+    """`_generate` with the rows split over the devices of `mesh` along `row_axes` (data
+    parallel: each device prefills and decodes its own rows, with the whole parameters and
+    its rows' caches); the tokens come back split as the prompt's rows."""
+    rows, whole = jax.sharding.PartitionSpec(row_axes), jax.sharding.PartitionSpec()
+    in_specs = (whole, rows, rows, whole, whole, whole, whole)
+    args = [jax.tree.map(lambda x, spec=spec: jax.sharding.reshard(
+                x, jax.sharding.NamedSharding(mesh, spec)), arg)
+            for arg, spec in zip((state, prompt, lengths, rng, temperature, top_p, stop_tokens),
+                                 in_specs, strict=True)]
+    body = functools.partial(_generate, graphdef, row_axes=row_axes, **options)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=rows,
+                         check_vma=False)(*args)
 
 
 def _weights_in(state, dtype):
@@ -240,11 +284,14 @@ def _merge_groups(full, grouped):
 
 
 def sample_token(logits: jax.Array, key: jax.Array, *, top_k: int | None = None,
-                 top_p: float | jax.Array | None = None) -> jax.Array:
+                 top_p: float | jax.Array | None = None,
+                 rows: tuple[int | jax.Array, int] | None = None) -> jax.Array:
     """A token per row (B,) int32 from logits (B, V) (already divided by the temperature),
     among the `top_k` most likely (with every token tied with the k-th) and, with `top_p`, the
     smallest set of most likely tokens whose probabilities reach top_p (the most likely always
-    stays)."""
+    stays). The draw is the Gumbel-max trick with noise for the rows (offset, offset + B) of a
+    batch of `total` rows, `rows` = (offset, total) (default (0, B)): a row's token does not
+    depend on how a batch is split."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
@@ -256,7 +303,10 @@ def sample_token(logits: jax.Array, key: jax.Array, *, top_k: int | None = None,
         kept = jnp.where(before < top_p, ordered, -jnp.inf)
         logits = jnp.full_like(logits, -jnp.inf).at[
             jnp.arange(logits.shape[0])[:, None], order].set(kept)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    offset, total = (0, logits.shape[0]) if rows is None else rows
+    noise = jax.random.gumbel(key, (total, logits.shape[-1]), logits.dtype)
+    noise = jax.lax.dynamic_slice_in_dim(noise, offset, logits.shape[0])
+    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
 
 
 # ---------------------------------------------------------------------------------------------

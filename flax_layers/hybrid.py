@@ -10,9 +10,9 @@ from jax.typing import DTypeLike
 
 from flax_layers._checks import check_dtypes, check_flags, check_implementation, check_sizes
 from flax_layers._sharding import (
+    check_whole_parameters,
     logical,
     reorder_sequence,
-    sharded_parameters,
     token_features,
 )
 from flax_layers.attention import FlashMultiHeadAttention, KVCacheSlot, check_heads
@@ -260,11 +260,7 @@ class HybridLM(CausalLM):
         does not run tensor-parallel)."""
         if self.kv_caches is None:
             raise ValueError("decode=True needs init_cache(batch_size, max_length) first")
-        sharded = sharded_parameters(self)
-        if sharded:
-            raise ValueError(f"decode=True needs whole parameters; {sharded[0]} (and "
-                             f"{len(sharded) - 1} more) are sharded: merge the model from "
-                             "flax_layers.gather_parameters(state, axes=None)")
+        check_whole_parameters(self)
         for block in self.blocks:
             block.mixer.check_cache(batch)
         for slot in self.kv_caches:
