@@ -22,7 +22,7 @@ it in its own layout, built before timing (never timed):
   ours          pallas_kernels.attention_with_kv_cache on the paged cache (pages, page_size, K,
                 H) with block_table (B, max_pages), splits chosen by the op (`num_splits` None)
   ours-unsplit  the same with num_splits=1 (one program per row and KV head)
-  ours-int8     the same cache quantised to int8 with a bfloat16 scale per token and KV head
+  ours-int8     the same cache quantised to int8 with a float32 scale per token and KV head
                 (quantization.encode), auto splits; checked against the reference run on the
                 int8 cache, its distance from the bf16 reference recorded as int8_vs_bf16_err
   jax-paged     jax.experimental.pallas.ops.gpu.paged_attention.paged_attention: q (B, N, H)
@@ -155,11 +155,11 @@ class Inputs(typing.NamedTuple):
 
 
 def bytes_read(shape, inputs, *, int8=False):
-    """Bytes a decode step must read: q, the visible keys and values (and their bfloat16
-    scales for an int8 cache) and the block table."""
+    """Bytes a decode step must read: q, the visible keys and values (and their float32 scales
+    for an int8 cache) and the block table."""
     q = shape.batch * NEW_TOKENS * shape.heads * shape.head_dim * 2
     entries = 2 * inputs.visible_keys * shape.kv_heads
-    kv = entries * shape.head_dim * (1 if int8 else 2) + (entries * 2 if int8 else 0)
+    kv = entries * shape.head_dim * (1 if int8 else 2) + (entries * 4 if int8 else 0)
     return q + kv + shape.batch * shape.pages_per_row * 4
 
 
@@ -213,11 +213,11 @@ def dense_cache(pages, block_table, *, head_major):
 
 @jax.jit
 def quantise_int8(pages):
-    """(int8 entries, bfloat16 scales (pages, K, page_size)) of a cache, one scale per token
-    and KV head, as update_kv_cache writes them into the models' caches."""
+    """(int8 entries, float32 scales (pages, K, page_size)) of a cache, one scale per token
+    and KV head, as update_kv_cache writes them."""
     from pallas_kernels.kv_cache import quantization
 
-    entries, scales = quantization.encode(pages, jnp.int8, jnp.bfloat16)
+    entries, scales = quantization.encode(pages, jnp.int8, True)
     return entries, jnp.swapaxes(scales, 1, 2)
 
 

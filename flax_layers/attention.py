@@ -144,7 +144,7 @@ def segment_positions(segment_ids):
 class KVCache(NamedTuple):
     """A decode cache: keys and values, dense (B, L, K, H) or paged (pages, page_size, K, H)
     with `block_table` (B, pages per row); how many positions of each row are filled,
-    `lengths` (B,) int32; for 8-bit caches the scales per token and KV head, `k_scale`
+    `lengths` (B,) int32; for 8-bit caches the float32 scales per token and KV head, `k_scale`
     and `v_scale` ((B, K, L) or (pages, K, page_size)), else None. See
     `pallas_kernels.attention_with_kv_cache`.
 
@@ -185,13 +185,11 @@ class KVCache(NamedTuple):
                              f"filled and {new} new tokens do not fit")
 
 
-def empty_kv_cache(batch, max_length, kv_heads, head_dim, dtype=jnp.float32, page_size=None,
-                   scale_dtype=jnp.bfloat16):
+def empty_kv_cache(batch, max_length, kv_heads, head_dim, dtype=jnp.float32, page_size=None):
     """An empty KVCache for `batch` rows of at least `max_length` positions: dense, its capacity
     rounded up to a multiple of 16 (the kernel reads it in place), or in pages of `page_size`
     (a power of two >= 16), each row owning its own run of pages. 8-bit dtypes (int8,
-    float8_e4m3fn, float8_e4m3fnuz) get per token-head scales in `scale_dtype` (bfloat16 or
-    float32; `pallas_kernels.kv_cache.quantization` says what bfloat16 costs in accuracy)."""
+    float8_e4m3fn, float8_e4m3fnuz) get per token-head scales."""
     check_sizes(batch=batch, max_length=max_length)
     block_table = None
     if page_size is None:
@@ -203,7 +201,7 @@ def empty_kv_cache(batch, max_length, kv_heads, head_dim, dtype=jnp.float32, pag
         shape = (batch * per_row, page_size, kv_heads, head_dim)
         block_table = jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row)
     scaled = jnp.dtype(dtype).itemsize == 1
-    scales = [jnp.zeros(kv_cache_checks.scale_shape(shape), scale_dtype) if scaled else None
+    scales = [jnp.zeros(kv_cache_checks.scale_shape(shape), jnp.float32) if scaled else None
               for _ in range(2)]
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                    jnp.zeros((batch,), jnp.int32), *scales, block_table)

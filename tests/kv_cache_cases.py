@@ -26,20 +26,20 @@ def normals(seed, *shapes):
             for end, size, shape in zip(ends, sizes, shapes, strict=True)]
 
 
-def store(x, dtype, *, scaled, scale_dtype=jnp.float32):
-    """x (..., H) float32 numpy as a cache of `dtype`: numpy (stored, scale (...) in
-    `scale_dtype`, or None).
+def store(x, dtype, *, scaled):
+    """x (..., H) float32 numpy as a cache of `dtype`: numpy (stored, scale (...) float32 or
+    None).
 
-    Quantised dtypes with `scaled` get a scale absmax/qmax per vector (rounded to its dtype,
-    then divided out); without, fp8 is a plain cast. uint8 holds the bits of float8_e4m3fnuz.
+    Quantised dtypes with `scaled` get a scale absmax/qmax per vector; without, fp8 is a plain
+    cast. uint8 holds the bits of float8_e4m3fnuz.
     """
     dtype = jnp.dtype(dtype)
     if dtype in FLOATS:
         return x.astype(dtype), None
     scale = None
     if scaled:
-        scale = (np.max(np.abs(x), axis=-1) / np.float32(QMAX[dtype])).astype(scale_dtype)
-        x = np.clip(x / scale.astype(np.float32)[..., None], -QMAX[dtype], QMAX[dtype])
+        scale = np.max(np.abs(x), axis=-1) / np.float32(QMAX[dtype])
+        x = np.clip(x / scale[..., None], -QMAX[dtype], QMAX[dtype])
     if dtype == jnp.int8:
         return np.round(x).astype(np.int8), scale
     if dtype == jnp.uint8:
@@ -59,14 +59,11 @@ def poison(stored, scale, valid):
     else:
         bad = np.array(np.nan, stored.dtype)
     stored = np.where(where, stored, bad)
-    if scale is None:
-        return stored, None
-    return stored, np.where(where[..., 0], scale, np.array(np.nan, scale.dtype))
+    return stored, None if scale is None else np.where(where[..., 0], scale, np.float32(np.nan))
 
 
 def make_case(seed, *, b, t, n, k, h, lengths, cache_dtype=jnp.float32, q_dtype=jnp.float32,
-              scaled=None, scale_dtype=jnp.float32, s=None, page_size=None, max_pages=None,
-              shared_pages=0):
+              scaled=None, s=None, page_size=None, max_pages=None, shared_pages=0):
     """(q, cache_seqlens, clean, dirty): q (B, T, N, H) and two caches holding the same valid
     keys and values, each (k_cache, v_cache, keyword arguments: block_table, k_scale, v_scale
     where present).
@@ -76,7 +73,7 @@ def make_case(seed, *, b, t, n, k, h, lengths, cache_dtype=jnp.float32, q_dtype=
     that rows 1.. share row 0's first `shared_pages` pages (which must lie within every row's
     length). `clean` holds random values everywhere; `dirty` is unreadable (see `poison`) in
     every slot past its row's length and in every unreferenced page. `scaled` defaults to
-    whether the cache is quantised; the scales are `scale_dtype`.
+    whether the cache is quantised.
     """
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths, np.int32)
@@ -102,7 +99,7 @@ def make_case(seed, *, b, t, n, k, h, lengths, cache_dtype=jnp.float32, q_dtype=
     q, *kv = normals(seed, (b, t, n, h), shape, shape)
     caches = [[], []]  # clean, dirty: [(k, k_scale), (v, v_scale)]
     for x in kv:
-        stored, scale = store(x, cache_dtype, scaled=scaled, scale_dtype=scale_dtype)
+        stored, scale = store(x, cache_dtype, scaled=scaled)
         caches[0].append((stored, scale))
         caches[1].append(poison(stored, scale, valid))
     out = []

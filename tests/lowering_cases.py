@@ -110,9 +110,9 @@ def _state_update():
     return "state_update", step, args
 
 
-def _decode(kv_dtype, paged=True, head_dim=128, t=1, scale_dtype=jnp.bfloat16):
+def _decode(kv_dtype, paged=True, head_dim=128, t=1):
     """Decode attention over a KV cache: batch 8, 32 query / 4 KV heads, capacity 8192 (pages
-    of 16), `t` new tokens; 8-bit caches with per token-head scales of `scale_dtype`."""
+    of 16), `t` new tokens; 8-bit caches with per token-head scales."""
     def make():
         b, n, k, capacity, page = 8, 32, 4, 8192, 16
         shape = (b * capacity // page, page, k, head_dim) if paged else (b, capacity, k, head_dim)
@@ -124,8 +124,8 @@ def _decode(kv_dtype, paged=True, head_dim=128, t=1, scale_dtype=jnp.bfloat16):
             v_cache=jax.ShapeDtypeStruct(shape, kv_dtype),
             cache_seqlens=jax.ShapeDtypeStruct((b,), jnp.int32),
             block_table=jax.ShapeDtypeStruct((b, capacity // page), jnp.int32) if paged else None,
-            k_scale=jax.ShapeDtypeStruct(scale_shape, scale_dtype) if scaled else None,
-            v_scale=jax.ShapeDtypeStruct(scale_shape, scale_dtype) if scaled else None,
+            k_scale=jax.ShapeDtypeStruct(scale_shape, jnp.float32) if scaled else None,
+            v_scale=jax.ShapeDtypeStruct(scale_shape, jnp.float32) if scaled else None,
         )
 
         def step(args):
@@ -209,7 +209,6 @@ CASES = {
     "ssd-state-update": _state_update,
     **{f"decode-{jnp.dtype(d).name}-paged": _decode(d)
        for d in (jnp.bfloat16, jnp.float32, jnp.int8, jnp.uint8, jnp.float8_e4m3fn)},
-    "decode-int8-paged-f32-scales": _decode(jnp.int8, scale_dtype=jnp.float32),
     "decode-bfloat16-dense-h80-t4": _decode(jnp.bfloat16, paged=False, head_dim=80, t=4),
     "norm-gated-d4096": _norm(4096, False, z_width=8384),
     "norm-gated-d8192-g8": _norm(8192, True, group_size=1024),

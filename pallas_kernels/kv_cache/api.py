@@ -51,9 +51,9 @@ def attention_with_kv_cache(
         are clipped to it).
       block_table: (B, max_pages) integers: row b's key j lies in page block_table[b, j //
         page_size], slot j % page_size. Pages may be shared and in any order.
-      k_scale, v_scale: float32 or bfloat16, one per token and KV head, each head's along its
-        keys: (B, K, S) for a dense cache, (pages, K, page_size) for a paged one. Stored entry *
-        scale is the key or value.
+      k_scale, v_scale: float32, one per token and KV head, each head's along its keys: (B, K,
+        S) for a dense cache, (pages, K, page_size) for a paged one. Stored entry * scale is
+        the key or value.
       scale: logit scale, default 1/sqrt(H).
       local_window_size: an int w or (left, right): a query also sees no key more than `left`
         positions before its own (causality bounds the right side).
@@ -161,9 +161,9 @@ def update_kv_cache(
     Returns:
       (k_cache, v_cache, k_scale, v_scale) updated (scales None where they were None: an 8-bit
       cache without scales stores the values clipped to its range). 8-bit caches with scales
-      get one scale per token and KV head, in the scales' dtype: its largest magnitude over H
-      / the largest storable value; the entries are divided by that scale as stored. Donate
-      the caches to the jit that calls this (`donate_argnums`) and XLA writes them in place.
+      get one scale per token and KV head: its largest magnitude over H / the largest
+      storable value. Donate the caches to the jit that calls this (`donate_argnums`) and XLA
+      writes them in place.
     """
     for name, x in (("k", k), ("v", v)):
         _dispatch.check_floats({name: x}, _dispatch.HALF_AND_SINGLE,
@@ -191,8 +191,7 @@ def update_kv_cache(
 
     def write(cache, scales, values):
         stored = quantization.as_stored(cache)
-        entries, new_scales = quantization.encode(
-            values, stored.dtype, None if scales is None else scales.dtype)
+        entries, new_scales = quantization.encode(values, stored.dtype, scales is not None)
         if cache.dtype == jnp.float8_e4m3fnuz:
             entries = jax.lax.bitcast_convert_type(entries, cache.dtype)
         cache = cache.at[index].set(entries, mode="drop")

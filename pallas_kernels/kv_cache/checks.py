@@ -27,8 +27,7 @@ class Layout:
 
 def check_cache(k_cache, v_cache, block_table, k_scale, v_scale, batch):
     """The Layout of a dense cache (B, S, K, H), or of a paged one (pages, page_size, K, H)
-    with `block_table` (B, max_pages) integers; scales (`scale_shape`, float32 or bfloat16)
-    present where
+    with `block_table` (B, max_pages) integers; scales (`scale_shape`, float32) present where
     the dtype asks for them."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not hasattr(cache, "shape") or cache.ndim != 4:
@@ -46,8 +45,8 @@ def check_cache(k_cache, v_cache, block_table, k_scale, v_scale, batch):
         if scale is not None:
             if fmt.scales == "forbidden":
                 raise ValueError(f"{name} must be None for a float cache")
-            if scale.dtype not in quantization.SCALE_DTYPES:
-                raise TypeError(f"{name} must be float32 or bfloat16, got {scale.dtype}")
+            if scale.dtype != jnp.float32:
+                raise TypeError(f"{name} must be float32, got {scale.dtype}")
             if scale.shape != scale_shape(k_cache.shape):
                 raise ValueError(f"{name} must be (B, K, S) or (pages, K, page_size), one scale "
                                  f"per token and KV head: {scale_shape(k_cache.shape)} for this "

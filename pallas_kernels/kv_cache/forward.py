@@ -80,7 +80,7 @@ def _read(cache, scales, j, pages, static):
         else:
             entries = plt.load(cache.at[rows, :], other=0,
                                mask=jnp.broadcast_to(lanes < static.head_dim, (bk, h_pad)))
-        return entries, None if scales is None else scales[rows].astype(jnp.float32)
+        return entries, None if scales is None else scales[rows]
     if not static.gather_rows:
         return _read_pages(cache, scales, pages, lanes, static)
     # One (block_k, H_pad) gather, each key's row from its page (tuning's table says why).
@@ -91,9 +91,7 @@ def _read(cache, scales, j, pages, static):
     if h_pad != static.head_dim:
         mask, other = jnp.broadcast_to(lanes < static.head_dim, (bk, h_pad)), 0
     entries = plt.load(cache.at[key_pages, slots, lanes], mask=mask, other=other)
-    if scales is None:
-        return entries, None
-    return entries, plt.load(scales.at[key_pages[:, 0], slots[:, 0]]).astype(jnp.float32)
+    return entries, None if scales is None else plt.load(scales.at[key_pages[:, 0], slots[:, 0]])
 
 
 def _read_pages(cache, scales, pages, lanes, static):
@@ -108,7 +106,7 @@ def _read_pages(cache, scales, pages, lanes, static):
         entries = plt.load(cache.at[pages[:, None, None], slots, lanes[None]], other=0,
                            mask=jnp.broadcast_to(lanes[None] < static.head_dim, shape))
     return (entries.reshape(bk, h_pad),
-            None if scales is None else scales[pages, :].reshape(bk).astype(jnp.float32))
+            None if scales is None else scales[pages, :].reshape(bk))
 
 
 def _decode_kernel(refs, *, static):
@@ -181,9 +179,9 @@ def partials(q, k, v, seqlens, block_table, k_scale, v_scale, *, static, splits,
     q (B, K, R, H_pad) packed query rows; k, v the caches as stored (dense (B, S, K, H) with
     S % block_k == 0, or paged (pages, page_size, K, H)); seqlens (B,) int32; block_table
     (B, max_pages) int32 with max_pages a multiple of block_k // page_size, or None; k_scale,
-    v_scale float32 or bfloat16 (B, K, S) or (pages, K, page_size), or None. Returns out
-    (splits, B, K, R, H_pad) float32, normalised per split, and lse (splits, B, K, R) float32
-    in base 2 (-inf where a split saw no key).
+    v_scale float32 (B, K, S) or (pages, K, page_size), or None. Returns out (splits, B, K, R,
+    H_pad) float32, normalised per split, and lse (splits, B, K, R) float32 in base 2 (-inf
+    where a split saw no key).
     """
     batch, kv_heads, rows, h_pad = q.shape
     paged = static.page_size is not None

@@ -1,9 +1,5 @@
 """How a KV cache stores its keys and values: float caches as they are, 8-bit caches with a
-scale per token and KV head (the dequantised value is stored * scale), float32 or bfloat16.
-An entry is quantised by its scale as stored (rounded to bfloat16 first), so its error stays
-within half a step of the scale it is read with: a bfloat16 scale, within 2**-8 of the float32
-one, moves that bound by at most 0.4%. It halves the scales' bytes (3% of an int8 cache's reads
-at H 128 in float32).
+float32 scale per token and KV head (the dequantised value is stored * scale).
 
 | cache dtype | holds | scales | largest stored value |
 |---|---|---|---|
@@ -47,7 +43,6 @@ _FORMATS = {
     jnp.dtype(jnp.uint8): E4M3FNUZ_BITS, jnp.dtype(jnp.float8_e4m3fnuz): E4M3FNUZ_BITS,
 }
 DTYPES = ", ".join(str(d) for d in _FORMATS)
-SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def format_of(name, dtype):
@@ -86,20 +81,18 @@ def decode(stored, fmt, dtype):
     return stored.astype(dtype)
 
 
-def encode(values, dtype, scale_dtype=None):
+def encode(values, dtype, scaled):
     """(stored entries, scales) of float `values` (..., H) for a cache of `dtype`: scales
-    (...,) in `scale_dtype` = absmax / largest (None: no scales, scale 1), the entries divided
-    by the scale as stored, rounded (int8) or cast (float8) and clipped to the largest
-    magnitude."""
+    (...,) float32 = absmax / largest when `scaled` (else None, scale 1), the entries rounded
+    (int8) or cast (float8) after division and clipped to the largest magnitude."""
     fmt = format_of("cache", dtype)
     values = values.astype(jnp.float32)
     if not fmt.quantised:
         return values.astype(dtype), None
     scales = None
-    if scale_dtype is not None:
-        scales = (jnp.max(jnp.abs(values), axis=-1) / fmt.largest).astype(scale_dtype)
-        stored = scales.astype(jnp.float32)
-        values = values / jnp.where(stored > 0, stored, 1.0)[..., None]
+    if scaled:
+        scales = jnp.max(jnp.abs(values), axis=-1) / fmt.largest
+        values = values / jnp.where(scales > 0, scales, 1.0)[..., None]
     values = jnp.clip(values, -fmt.largest, fmt.largest)
     if fmt is INT8:
         return jnp.round(values).astype(jnp.int8), scales

@@ -33,8 +33,7 @@ def attention_with_kv_cache(
     p = cache_seqlens[b] - T + t and sees the keys j <= p, and with `local_window_size` (w, or
     (left, right), whose right side the causal bound makes moot) only those with j >= p - left.
     Quantised caches (int8, float8_e4m3fn, or uint8 holding float8_e4m3fnuz bits) are read as
-    stored value * scale, `k_scale`/`v_scale` float32 or bfloat16 (B, K, S) or
-    (num_pages, K, page_size).
+    stored value * scale, `k_scale`/`v_scale` float32 (B, K, S) or (num_pages, K, page_size).
     The arguments are assumed valid (the public API checks them).
 
     Returns the output (B, T, N, H) in q's dtype and, with `return_residual`, the natural-log
@@ -78,7 +77,7 @@ def read_cache(cache, cache_seqlens, *, block_table=None, scale=None):
     whatever the slot or its scale holds, NaN included) at and past cache_seqlens (B,).
 
     `cache` is dense (B, S, K, H), or paged (num_pages, page_size, K, H) with `block_table`
-    (B, max_pages), capacity max_pages * page_size; `scale` is None or float (B, K, S) or
+    (B, max_pages), capacity max_pages * page_size; `scale` is None or float32, (B, K, S) or
     (num_pages, K, page_size). A uint8 cache holds the bits of float8_e4m3fnuz.
     """
     if scale is not None:
@@ -90,7 +89,7 @@ def read_cache(cache, cache_seqlens, *, block_table=None, scale=None):
         cache = jax.lax.bitcast_convert_type(cache, jnp.float8_e4m3fnuz)
     values = cache.astype(jnp.float32)
     if scale is not None:
-        values = values * scale.astype(jnp.float32)[..., None]
+        values = values * scale[..., None]
     valid = jnp.arange(values.shape[1]) < cache_seqlens[:, None]  # (B, capacity)
     return jnp.where(valid[:, :, None, None], values, 0.0)
 

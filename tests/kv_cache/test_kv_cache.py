@@ -32,9 +32,9 @@ CASES = [
     ("b3-t4-dense-e4m3-g1-h256-split4-window",
      dict(b=3, t=4, n=2, k=2, h=256, s=96, lengths=(1, 96, 50), cache_dtype=E4M3),
      dict(num_splits=4, local_window_size=20)),
-    ("b3-t1-page16-fnuz-bf16scales-g4-h64-auto-shared",
+    ("b3-t1-page16-fnuz-g4-h64-auto-shared",
      dict(b=3, t=1, n=4, k=1, h=64, page_size=16, max_pages=16, lengths=(200, 48, 256),
-          cache_dtype=FNUZ, scale_dtype=BF16, shared_pages=3), dict()),
+          cache_dtype=FNUZ, shared_pages=3), dict()),
     ("b8-t4-page16-bf16q-bf16-g8-h64-split1-cap",
      dict(b=8, t=4, n=8, k=1, h=64, page_size=16, max_pages=4,
           lengths=(64, 0, 3, 17, 33, 1, 48, 60), cache_dtype=BF16, q_dtype=BF16),
@@ -58,9 +58,9 @@ CASES = [
     ("b3-t1-page16-f32q-bf16-g8-h80-split4-boundaries",
      dict(b=3, t=1, n=16, k=2, h=80, page_size=16, max_pages=16, lengths=(16, 144, 256),
           cache_dtype=BF16), dict(num_splits=4)),
-    ("b3-t4-page16-bf16q-int8-bf16scales-g4-h80-auto-window",
+    ("b3-t4-page16-bf16q-int8-g4-h80-auto-window",
      dict(b=3, t=4, n=8, k=2, h=80, page_size=16, max_pages=8, lengths=(5, 64, 100),
-          cache_dtype=INT8, q_dtype=BF16, scale_dtype=BF16), dict(local_window_size=9)),
+          cache_dtype=INT8, q_dtype=BF16), dict(local_window_size=9)),
 ]
 
 PATHS = {
@@ -188,26 +188,22 @@ def test_reference_equals_dense_attention_on_the_gathered_cache():
 
 
 UPDATES = [
-    # (id, cache dtype, scales' dtype or None, paged)
-    *[(f"{jnp.dtype(d).name}-{'paged' if p else 'dense'}", d,
-       F32 if d in (INT8, E4M3, FNUZ) else None, p)
+    # (id, cache dtype, scaled, paged)
+    *[(f"{jnp.dtype(d).name}-{'paged' if p else 'dense'}", d, d in (INT8, E4M3, FNUZ), p)
       for d in (BF16, F32, INT8, E4M3, FNUZ) for p in (False, True)],
-    ("float8_e4m3fn-unscaled-dense", E4M3, None, False),
-    ("int8-bf16-scales-paged", INT8, BF16, True),
-    ("uint8-bf16-scales-dense", FNUZ, BF16, False),
+    ("float8_e4m3fn-unscaled-dense", E4M3, False, False),
 ]
 
 
 @pytest.mark.parametrize("update", UPDATES, ids=[u[0] for u in UPDATES])
 def test_update_then_read_gives_the_written_values(update):
-    name, cache_dtype, scale_dtype, paged = update
-    scaled = scale_dtype is not None
+    name, cache_dtype, scaled, paged = update
     b, t, k, h = 3, 4, 2, 64
     layout = dict(page_size=16, max_pages=4) if paged else dict(s=64)
     before = (0, 15, 40)  # an empty row, a write across a page boundary, one mid-page
     _, seqlens, _, (k_cache, v_cache, arrays) = make_case(
         _seed(name), b=b, t=t, n=k, k=k, h=h, lengths=before, cache_dtype=cache_dtype,
-        scaled=scaled, scale_dtype=scale_dtype or F32, **layout,
+        scaled=scaled, **layout,
     )
     new_dtype = BF16 if cache_dtype == BF16 else F32
     new = [jnp.asarray(x, new_dtype) for x in normals(_seed(name) + 1, *[(b, t, k, h)] * 2)]
@@ -221,30 +217,25 @@ def test_update_then_read_gives_the_written_values(update):
     ):
         assert stored.shape == old.shape and stored.dtype == old.dtype, what
         assert (scale is None) == (old_scale is None), what
-        if scaled:
-            assert scale.dtype == old_scale.dtype == scale_dtype, what
         read = reference.read_cache(stored, seqlens + t, block_table=table, scale=scale)
         got = jnp.stack([read[row, int(seqlens[row]):int(seqlens[row]) + t] for row in range(b)])
         x = np.asarray(x, np.float32)
         err = np.abs(np.asarray(got) - x)
         absmax = np.max(np.abs(x), axis=-1, keepdims=True)
-        # The step is the scale as stored: a bfloat16 scale is within 2**-8 of absmax / qmax.
-        unit = absmax / QMAX.get(jnp.dtype(cache_dtype), 1.0) if scaled else 1.0
-        if scaled and scale_dtype == BF16:
-            unit = unit * (1 + 2.0**-8)
         if cache_dtype in (BF16, F32):
             bound = np.zeros_like(x)
         elif cache_dtype == INT8:
-            bound = unit * 0.5 + absmax * 1e-6
+            bound = absmax * (0.5 / 127 + 1e-6)
         else:  # 3 mantissa bits; subnormals at most 2**-9 of the scale apart (2**-10: fnuz)
+            unit = absmax / QMAX[jnp.dtype(cache_dtype)] if scaled else 1.0
             bound = np.abs(x) * 2.0**-4 + unit * 2.0**-10 + absmax * 1e-6
         assert np.all(err <= bound), f"{what}: error {np.max(err - bound)} past the bound"
         if scaled:  # scales (rows or pages, K, slots) as (rows or pages, slots, K)
             scale, old_scale = (np.swapaxes(np.asarray(s), 1, 2) for s in (scale, old_scale))
             written_scale = _written_slots(scale, seqlens, t, table)
             np.testing.assert_allclose(
-                written_scale.astype(np.float32), absmax[..., 0] / QMAX[jnp.dtype(cache_dtype)],
-                rtol=1e-6 if scale_dtype == F32 else 2.0**-8, err_msg=f"{what} scale")
+                written_scale, absmax[..., 0] / QMAX[jnp.dtype(cache_dtype)], rtol=1e-6,
+                err_msg=f"{what} scale")
         # Every slot not written keeps its bits, NaN included.
         untouched = ~_written_mask(old.shape[:2], seqlens, t, table)
         for now, then in ((stored, old), (scale, old_scale)):
@@ -308,7 +299,7 @@ def _bad_calls():
         ("float32 with scales", dict(ok, k_scale=scale, v_scale=scale), "k_scale"),
         ("scale shape", dict(ok, k_cache=int8, v_cache=int8, k_scale=scale[..., :1],
                              v_scale=scale), "k_scale"),
-        ("scale dtype", dict(ok, k_cache=int8, v_cache=int8, k_scale=scale.astype(F16),
+        ("scale dtype", dict(ok, k_cache=int8, v_cache=int8, k_scale=scale.astype(BF16),
                              v_scale=scale), "k_scale"),
         ("block_table with a dense-shaped cache", dict(ok, k_cache=odd, v_cache=odd,
                                                        block_table=table), "k_cache|block_table"),

@@ -31,7 +31,7 @@ def test_a_donated_cache_write_updates_in_place(dtype, scaled):
     pages, page, heads, dim = 64, 16, 2, 64
     shape = (pages, page, heads, dim)
     caches = [jnp.zeros(shape, dtype) for _ in range(2)]
-    scales = [jnp.zeros((pages, heads, page), jnp.bfloat16) if scaled else None for _ in range(2)]
+    scales = [jnp.zeros((pages, heads, page), jnp.float32) if scaled else None for _ in range(2)]
     new = jnp.ones((4, 1, heads, dim), jnp.bfloat16)
     table = jnp.arange(64, dtype=jnp.int32).reshape(4, 16)
     lengths = jnp.array([0, 5, 16, 255], jnp.int32)
