@@ -76,8 +76,12 @@ class CausalLM(nnx.Module):
         On a mesh with Explicit axes (`jax.set_mesh`), a prompt whose rows are split over
         devices generates data-parallel: each device prefills and decodes its own rows with
         the whole parameters (tensor-sharded ones are a ValueError: gather them first), and
-        the tokens come back split as the rows. Each row draws its sampling noise as in the
-        whole batch, so its tokens do not depend on the split.
+        the tokens come back split as the rows. Each row draws its sampling noise from its
+        index in the batch, so its tokens do not depend on the split. Devices along mesh axes
+        the rows are not split over repeat the work: split the rows over every axis to use
+        every device. Place the parameters replicated on the mesh once (`flax_layers.
+        gather_parameters(state, axes=None)`, or `jax.device_put(state, NamedSharding(mesh,
+        P()))`): parameters left on one device are moved at every call.
 
         Args:
           prompt_tokens: (B, T) integers in [0, vocab_size), T >= 1; only its rows may be
@@ -116,7 +120,7 @@ class CausalLM(nnx.Module):
         if placement is not None:
             check_whole_parameters(self)
         if max_new_tokens == 0:
-            return jnp.zeros((batch, 0), jnp.int32)
+            return jnp.zeros_like(jnp.asarray(prompt_tokens)[:, :0], jnp.int32)  # split as it
         graphdef, state = nnx.split(self)
         group = PREFILL_TOKENS if prefill_tokens is None else prefill_tokens
         rows = batch if placement is None else batch // _devices(*placement)
@@ -178,17 +182,16 @@ def _generate(graphdef, state, prompt, lengths, rng, temperature, top_p, stop_to
         nnx.update(model, _merge_groups(nnx.state(model, nnx.Cache), caches))
     step_graph, caches, rest = nnx.split(model, nnx.Cache, ...)
     keys = jax.random.split(rng, max_new_tokens)
-    # A device's rows draw their part of the whole batch's noise: the tokens of a row do not
-    # depend on how the rows are split over devices.
-    rows = (0 if row_axes is None else jax.lax.axis_index(row_axes) * batch,
-            batch if row_axes is None else batch * jax.lax.psum(1, row_axes))
+    # Each row's noise comes from its index in the whole batch: its tokens do not depend on
+    # how the rows are split over devices.
+    first_row = 0 if row_axes is None else jax.lax.axis_index(row_axes) * batch
 
     def sample(logits, key):
         if greedy:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         logits = logits - jnp.max(logits, axis=-1, keepdims=True)  # no overflow at small T
         return sample_token(logits / temperature, key, top_k=top_k,
-                            top_p=top_p if nucleus else None, rows=rows)
+                            top_p=top_p if nucleus else None, first_row=first_row)
 
     def stops(token):
         return jnp.any(token[:, None] == stop_tokens[None, :], axis=1)
@@ -230,6 +233,8 @@ def _generate_rows(graphdef, state, prompt, lengths, rng, temperature, top_p, st
             for arg, spec in zip((state, prompt, lengths, rng, temperature, top_p, stop_tokens),
                                  in_specs, strict=True)]
     body = functools.partial(_generate, graphdef, row_axes=row_axes, **options)
+    # check_vma=False: the decode loop's carry starts replicated (the step counter) and comes
+    # back varying over the row axes, which a checked while_loop rejects.
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=rows,
                          check_vma=False)(*args)
 
@@ -285,13 +290,13 @@ def _merge_groups(full, grouped):
 
 def sample_token(logits: jax.Array, key: jax.Array, *, top_k: int | None = None,
                  top_p: float | jax.Array | None = None,
-                 rows: tuple[int | jax.Array, int] | None = None) -> jax.Array:
+                 first_row: int | jax.Array = 0) -> jax.Array:
     """A token per row (B,) int32 from logits (B, V) (already divided by the temperature),
     among the `top_k` most likely (with every token tied with the k-th) and, with `top_p`, the
     smallest set of most likely tokens whose probabilities reach top_p (the most likely always
-    stays). The draw is the Gumbel-max trick with noise for the rows (offset, offset + B) of a
-    batch of `total` rows, `rows` = (offset, total) (default (0, B)): a row's token does not
-    depend on how a batch is split."""
+    stays). The draw is the Gumbel-max trick, row i's noise from `key` folded with its index
+    in the whole batch, first_row + i: a row's token does not depend on how a batch is split
+    (`logits` may be the rows first_row, first_row + 1, ... of a larger batch)."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
@@ -303,9 +308,9 @@ def sample_token(logits: jax.Array, key: jax.Array, *, top_k: int | None = None,
         kept = jnp.where(before < top_p, ordered, -jnp.inf)
         logits = jnp.full_like(logits, -jnp.inf).at[
             jnp.arange(logits.shape[0])[:, None], order].set(kept)
-    offset, total = (0, logits.shape[0]) if rows is None else rows
-    noise = jax.random.gumbel(key, (total, logits.shape[-1]), logits.dtype)
-    noise = jax.lax.dynamic_slice_in_dim(noise, offset, logits.shape[0])
+    row_keys = jax.vmap(jax.random.fold_in, (None, 0))(
+        key, first_row + jnp.arange(logits.shape[0], dtype=jnp.int32))
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], logits.dtype))(row_keys)
     return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
 
 

@@ -403,6 +403,20 @@ def test_sample_token_keeps_the_top_k_and_the_nucleus():
     assert set(nucleus) == {0, 1} and abs((nucleus == 0).mean() - 0.5 / 0.8) < 0.05
 
 
+def test_sample_token_draws_each_row_by_its_index_in_the_batch():
+    """A batch sampled in slices (each with its first row's index) gives the whole batch's
+    tokens: what a device of a data-parallel `generate` relies on. Different rows with the same
+    logits draw different noise."""
+    logits = jax.random.normal(jax.random.key(9), (12, 50))
+    key = jax.random.key(10)
+    whole = np.asarray(generation.sample_token(logits, key, top_k=20))
+    slices = [generation.sample_token(logits[i:i + 4], key, top_k=20, first_row=jnp.int32(i))
+              for i in range(0, 12, 4)]
+    np.testing.assert_array_equal(np.concatenate(slices), whole)
+    same = np.asarray(generation.sample_token(jnp.zeros((400, 50)), key))
+    assert len(set(same)) > 30
+
+
 @pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
 def test_the_decode_loop_copies_no_cache(ssm_dtype):
     """`generate` compiles to one call whose while loop carries the KV caches and the Mamba2

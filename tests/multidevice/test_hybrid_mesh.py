@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mesh_cases import mesh
 from numerics import rel_error
@@ -128,6 +129,8 @@ def test_decoding_takes_whole_parameters():
 
 @pytest.mark.parametrize("shape, names, rows, implementation, options", [
     pytest.param((8,), ("data",), "data", "xla", dict(temperature=0.0), id="data8-greedy-xla"),
+    pytest.param((4, 2), ("data", "tensor"), "data", "xla", dict(temperature=1.0, top_k=8),
+                 id="data4-of-data4-tensor2-sampled-xla"),
     pytest.param((4, 2), ("data", "fsdp"), ("data", "fsdp"), "pallas",
                  dict(temperature=0.8, top_k=5, top_p=0.9, kv_dtype="int8", page_size=16,
                       ssm_dtype="bfloat16", prefill_tokens=10, stop_tokens=[3]),
@@ -138,25 +141,35 @@ def test_generate_splits_the_rows_over_devices(shape, names, rows, implementatio
     and decodes its rows): the tokens of one device's run, split as the prompt, sampling
     included (each device draws its rows' part of the batch's noise); ragged prompts, stop
     tokens, paged 8-bit caches and the prefill in groups run per device."""
-    model = HybridLM(dataclasses.replace(CONFIG, implementation=implementation),
-                     rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(HybridLM(
+        dataclasses.replace(CONFIG, implementation=implementation), rngs=nnx.Rngs(0)))
     prompt = jax.random.randint(jax.random.key(5), (16, 9), 0, CONFIG.vocab_size)
     lengths = jax.random.randint(jax.random.key(6), (16,), 1, 10)
     kwargs = dict(prompt_lengths=lengths, rng=jax.random.key(7), **options)
-    want = model.generate(prompt, 6, **kwargs)
+    want = nnx.merge(graphdef, params).generate(prompt, 6, **kwargs)
     mesh_ = mesh(shape, names, explicit=True)
-    with jax.set_mesh(mesh_):
+    with jax.set_mesh(mesh_):  # the parameters replicated on the mesh, as the docstring asks
+        model = nnx.merge(graphdef, jax.device_put(params, NamedSharding(mesh_, P())))
         got = model.generate(jax.device_put(prompt, P(rows)), 6, **kwargs)
     assert jax.typeof(got).sharding.spec == P(rows, None)
     np.testing.assert_array_equal(got, want)
 
 
-def test_generate_splits_only_the_rows():
-    model = HybridLM(dataclasses.replace(CONFIG, implementation="xla"), rngs=nnx.Rngs(0))
+def test_generate_splits_only_the_rows_and_takes_whole_parameters():
+    graphdef, params = nnx.split(HybridLM(dataclasses.replace(CONFIG, implementation="xla"),
+                                          rngs=nnx.Rngs(0)))
+    model = nnx.merge(graphdef, params)
     with (jax.set_mesh(mesh((8,), ("data",), explicit=True)),
           pytest.raises(ValueError, match=r"prompt_tokens: only its rows may be split")):
         model.generate(jax.device_put(jnp.zeros((8, 8), jnp.int32), P(None, "data")), 2,
                        rng=jax.random.key(0))
+    mesh_ = mesh((4, 2), ("data", "tensor"), explicit=True)
+    with (jax.set_mesh(mesh_),
+          pytest.raises(ValueError, match=r"needs whole parameters; .* are sharded")):
+        sharded = nnx.merge(graphdef, jax.device_put(
+            params, flax_layers.parameter_shardings(params, mesh_)))
+        sharded.generate(jax.device_put(jnp.zeros((8, 8), jnp.int32), P("data")), 2,
+                         rng=jax.random.key(0))
 
 
 def test_the_conv_history_must_fit_in_a_sequence_shard():
