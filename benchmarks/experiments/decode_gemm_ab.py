@@ -8,12 +8,12 @@ step (times its uses a step). On the GPU machine, from the repository root:
     python -m benchmarks.experiments.decode_gemm_ab "$OUT/decode_gemm_ab.jsonl"
 """
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks._timing import amortised_seconds
 
 ROWS = 64
 SHAPES = {  # name: (K, N, uses a step) at the zamba2-like 1.1B shape
@@ -24,24 +24,11 @@ SHAPES = {  # name: (K, N, uses a step) at the zamba2-like 1.1B shape
 OPTIONS = {"xla": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
 
 
-def seconds(fn, *args, calls=10, repeats=7):
-    """Median seconds a call over `repeats` batches of `calls` back-to-back calls."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
-
-
 def main(path):
     key = jax.random.key(0)
     block = jnp.ones((1 << 30,), jnp.bfloat16)
-    rows = [dict(what="copy", gbps=2 * block.nbytes / seconds(jax.jit(lambda a: a * 2), block)
-                 / 1e9)]
+    copy_s = amortised_seconds(jax.jit(lambda a: a * 2), block)
+    rows = [dict(what="copy", gbps=2 * block.nbytes / copy_s / 1e9)]
     del block
     for name, (k, n, uses) in SHAPES.items():
         count = max(8, (600 << 20) // (k * n * 2))
@@ -56,7 +43,8 @@ def main(path):
             return acc
 
         for option, compiler_options in OPTIONS.items():
-            s = seconds(jax.jit(chain, compiler_options=compiler_options), x, weights) / count
+            s = amortised_seconds(jax.jit(chain, compiler_options=compiler_options), x,
+                                  weights) / count
             rows.append(dict(what=name, emitter=option, K=k, N=n, uses=uses, us=1e6 * s,
                              gbps=k * n * 2 / s / 1e9, step_ms=1e3 * s * uses))
         del weights
