@@ -120,7 +120,7 @@ class CausalLM(nnx.Module):
         if placement is not None:
             check_whole_parameters(self)
         if max_new_tokens == 0:
-            return jnp.zeros_like(jnp.asarray(prompt_tokens)[:, :0], jnp.int32)  # split as it
+            return jnp.zeros_like(jnp.asarray(prompt_tokens)[:, :0], jnp.int32)  # split as the rows
         graphdef, state = nnx.split(self)
         group = PREFILL_TOKENS if prefill_tokens is None else prefill_tokens
         rows = batch if placement is None else batch // _devices(*placement)

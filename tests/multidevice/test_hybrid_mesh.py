@@ -139,7 +139,7 @@ def test_decoding_takes_whole_parameters():
 def test_generate_splits_the_rows_over_devices(shape, names, rows, implementation, options):
     """A prompt whose rows are split over a mesh generates data-parallel (each device prefills
     and decodes its rows): the tokens of one device's run, split as the prompt, sampling
-    included (each device draws its rows' part of the batch's noise); ragged prompts, stop
+    included (each row's noise comes from its index in the batch); ragged prompts, stop
     tokens, paged 8-bit caches and the prefill in groups run per device."""
     graphdef, params = nnx.split(HybridLM(
         dataclasses.replace(CONFIG, implementation=implementation), rngs=nnx.Rngs(0)))
