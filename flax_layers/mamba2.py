@@ -66,9 +66,11 @@ class Mamba2(nnx.Module):
     `__call__(u (B, T, d_model), *, seq_idx=None, decode=None, lengths=None)` returns (B, T,
     d_model). A forward (`decode` False) never touches the caches. With `decode=True` (after
     `init_cache`) the tokens continue the cached conv and SSM states, which the call advances:
-    one token through `selective_state_update` (its conv the jnp expression, one XLA fusion,
-    whatever `implementation`), several (a prefill) through the chunked scan from the cached
-    states, which gives the same result. A whole sequence decoded from an
+    one token through the conv and `selective_state_update` (with the kernels and the gated
+    norm: `causal_conv1d_update` and the step's kernel, reading in_proj's output in place and
+    updating both states over their buffers; elsewhere the conv as the jnp expression, one XLA
+    fusion), several (a prefill) through the chunked scan from the cached states, which gives
+    the same result. A whole sequence decoded from an
     empty cache gives the forward's outputs. `lengths` (B,) (decode only) says how many of each
     row's T tokens are real (a ragged prompt, padded at the end): the states advance over those
     only. `decode=None` takes the layer's `decode` (the constructor's, or `nnx.view`'s).
@@ -288,7 +290,7 @@ class Mamba2(nnx.Module):
         if decode:
             states = (self.conv_state[...], self.ssm_state[...])
             if u.shape[1] == 1:
-                y, new_states = self._step(z, xbc, dt, *states)
+                y, new_states = self._step(zxbcdt, z, xbc, dt, *states)
                 if lengths is not None:  # a row without a real token keeps its states
                     new_states = [jnp.where((lengths > 0).reshape(-1, *[1] * (new.ndim - 1)),
                                             new, old) for new, old in zip(new_states, states,
@@ -311,8 +313,7 @@ class Mamba2(nnx.Module):
         (`mixer.split_conv_scan_norm`); None where that op does not apply: it runs the kernels,
         off meshes, with the gated norm, no gated MLP and no sequence ids."""
         implementation, interpret = _dispatch.choose(self.implementation, None)
-        shape = mixer.MixerShape(d_ssm=self.d_ssm, ngroups=self.ngroups, d_state=self.d_state,
-                                 nheads=self.nheads, norm_group_size=self.d_ssm // self.ngroups)
+        shape = self._mixer_shape()
         if not (implementation == "pallas" and self.rmsnorm and not self.d_mlp
                 and seq_idx is None and token_features(zxbcdt) is None
                 and mixer.applies(zxbcdt, shape)):
@@ -324,6 +325,10 @@ class Mamba2(nnx.Module):
             shape=shape, chunk_size=self.chunk_size, dt_limit=self.dt_limit,
             norm_eps=self.norm_eps, norm_before_gate=self.norm_before_gate,
             interpret=interpret)
+
+    def _mixer_shape(self):
+        return mixer.MixerShape(d_ssm=self.d_ssm, ngroups=self.ngroups, d_state=self.d_state,
+                                nheads=self.nheads, norm_group_size=self.d_ssm // self.ngroups)
 
     def _scan(self, z, xbc, dt, history, initial_states, seq_idx=None, *, caches=True,
               step_sizes=False, packed=None):
@@ -366,9 +371,14 @@ class Mamba2(nnx.Module):
         last = lengths[:, None] + jnp.arange(self.d_conv - 1)  # the history after the row's end
         return y, (jnp.take_along_axis(inputs, last[..., None], axis=1), ssm_state)
 
-    def _step(self, z, xbc, dt, conv_state, ssm_state):
-        """One token (B, 1, ...) through the conv state and `selective_state_update`. Returns
-        (y (B, 1, d_ssm), (conv state, SSM state) after it)."""
+    def _step(self, zxbcdt, z, xbc, dt, conv_state, ssm_state):
+        """One token (B, 1, ...) through the conv state and `selective_state_update` (in_proj's
+        output zxbcdt and its parts z, xbc, dt). Returns (y (B, 1, d_ssm), (conv state, SSM
+        state) after it)."""
+        fused = self._fused_step(zxbcdt, conv_state, ssm_state)
+        if fused is not None:
+            y, conv_state, ssm_state = fused
+            return y.reshape(xbc.shape[0], 1, self.d_ssm), (conv_state, ssm_state)
         x, b, c = self._ssd_inputs(*self._conv_token(xbc, conv_state))
         y, ssm_state = pallas_kernels.selective_state_update(
             ssm_state, x, dt[:, 0], -jnp.exp(self.A_log[...]), b, c, D=self._d(),
@@ -377,6 +387,23 @@ class Mamba2(nnx.Module):
         )
         return y.reshape(xbc.shape[0], 1, self.d_ssm), (_conv_history(conv_state, xbc),
                                                           ssm_state)
+
+    @jax.named_scope("conv_ssd_step")
+    def _fused_step(self, zxbcdt, conv_state, ssm_state):
+        """(y (B, H, P), conv state, SSM state) after one token, zxbcdt (B, 1, d_in_proj), by
+        `mixer.split_conv_step`'s two kernels, which read in_proj's output in place and update
+        both states over their buffers; None where that does not apply: it runs the kernels,
+        off meshes, with the gated norm (which applies z)."""
+        implementation, interpret = _dispatch.choose(self.implementation, None)
+        shape = self._mixer_shape()
+        if not (implementation == "pallas" and self.rmsnorm and token_features(zxbcdt) is None
+                and mixer.step_applies(shape, self.d_conv)):
+            return None
+        return mixer.split_conv_step(
+            zxbcdt[:, 0], conv_state, ssm_state, self.conv_weight[...],
+            None if self.conv_bias is None else self.conv_bias[...], self.dt_bias[...],
+            self.A_log[...], self._d(), shape=shape, column_offset=2 * self.d_mlp,
+            dt_limit=self.dt_limit, interpret=interpret)
 
 
 @jax.named_scope("mamba2_block")  # (profiles name the ops of a step by these scopes)

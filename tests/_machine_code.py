@@ -50,6 +50,7 @@ HOT = {
     "attention": (r"attention_forward", r"attention_dkv", r"attention_dq"),
     "ssd": (r"ssd_forward_output",),
     "state_update": (),
+    "decode_step": (),
     "decode": (r"attention_with_kv_cache",),
     "norm": (r"rms_norm_gated_forward", r"rms_norm_gated_backward"),
     "conv": (r"causal_conv1d_forward", r"causal_conv1d_backward"),

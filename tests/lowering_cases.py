@@ -194,6 +194,24 @@ def _mixer():
     return "mixer", train_step, args
 
 
+def _decode_step():
+    """The Mamba2 mixer's decode step (`mixer.split_conv_step`: the conv update and the state
+    update reading in_proj's output in place) at the zamba2-like shape, batch 64: in_proj's
+    output 8384 wide (z 4096, xBC 4096 + 2 x 64, dt 64 heads of 64), bf16 states, float32
+    parameters."""
+    shape = mixer.MixerShape(d_ssm=4096, ngroups=1, d_state=64, nheads=64,
+                             norm_group_size=4096)
+    f32, bf16 = (functools.partial(jax.ShapeDtypeStruct, dtype=d)
+                 for d in (jnp.float32, jnp.bfloat16))
+    b = 64
+    args = (bf16((b, shape.width)), bf16((b, 3, shape.conv_dim)), bf16((b, 64, 64, 64)),
+            f32((4, shape.conv_dim)), f32((shape.conv_dim,)), f32((64,)), f32((64,)),
+            f32((64,)))
+    step = functools.partial(mixer.split_conv_step, shape=shape, column_offset=0,
+                             dt_limit=(0.0, float("inf")), interpret=False)
+    return "decode_step", step, args
+
+
 # Name -> make() returning (family, fn, args), args jax.ShapeDtypeStructs.
 CASES = {
     **{f"attn-h{hd}-{f}": _attention(hd, feature=f)
@@ -214,6 +232,7 @@ CASES = {
     "norm-gated-d8192-g8": _norm(8192, True, group_size=1024),
     "conv-mixer": _conv,
     "mamba2-mixer": _mixer,
+    "mamba2-decode-step": _decode_step,
 }
 
 

@@ -22,6 +22,7 @@ from jax.typing import ArrayLike
 
 from pallas_kernels import _device, _dispatch, _sharding
 from pallas_kernels.conv import backward, checks, forward, reference, tuning
+from pallas_kernels.conv import update as update_kernel
 
 
 def causal_conv1d(
@@ -111,6 +112,93 @@ def causal_conv1d(
                         (x, weight, bias, initial_states),
                         (rows, PartitionSpec(None, None), PartitionSpec(None), rows), rows)
     return _parts(out, split)
+
+
+def causal_conv1d_update(
+    x: ArrayLike,
+    conv_state: ArrayLike,
+    weight: ArrayLike,
+    bias: ArrayLike | None = None,
+    *,
+    activation: str | None = "silu",
+    column_offset: int | None = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """One new token per row through the causal conv (causal-conv1d's `causal_conv1d_update`),
+    functional: `causal_conv1d(x[:, None], weight, bias, initial_states=conv_state)[:, 0]` and
+    the conv state after the token.
+
+    The Pallas kernel writes the new state over the state's buffer: under `jax.jit(...,
+    donate_argnums=...)` with the state donated (a decode loop's carry), no copy of it is made.
+
+    Args:
+      x: (B, C), one token per row; or (B, C_x) with the C channels from `column_offset` (a
+        packed projection such as Mamba2's in_proj output), read in place by the kernel where
+        the offset is a multiple of its channel block (256), else sliced out first.
+      conv_state: (B, W - 1, C), the W - 1 inputs before the token, oldest first (as
+        `causal_conv1d`'s initial_states; causal-conv1d's own layout is (B, C, W)); any float
+        dtype. Rounded to x's dtype for the sum, as `causal_conv1d` rounds initial states.
+      weight: (W, C) with W >= 2, tap W - 1 the token itself; bias: (C,) or None.
+      activation: "silu" or None.
+      implementation, interpret: as for `causal_conv1d`. On a mesh the kernel runs per shard
+        of the batch; a sharded C is a ValueError.
+
+    Returns:
+      (out (B, C) in x's dtype, the new state (B, W - 1, C) in conv_state's dtype: its last
+      W - 2 rows, then the token). Gradients flow to x, conv_state, weight and bias.
+    """
+    checks.check_update(x, conv_state, weight, bias, column_offset)
+    activation = checks.check_activation(activation)
+    implementation, interpret = _dispatch.choose(implementation, interpret)
+    width, c = weight.shape
+    if implementation == "xla" or x.dtype == jnp.float64:
+        if column_offset is not None:
+            x = x[:, column_offset:column_offset + c]
+        return reference.causal_conv1d_update(x, conv_state, weight, bias, activation)
+    placement = _sharding.find("x", x[:, None], None, feature_dims=(2,))
+    tiles = tuning.UPDATE
+    in_place = (placement is None and column_offset is not None
+                and column_offset % tiles.block_c == 0)
+    if column_offset is not None and not in_place:
+        x = x[:, column_offset:column_offset + c]
+    static = update_kernel.Static(width=width, channels=c, silu=activation == "silu",
+                                  column_offset=column_offset if in_place else 0, tiles=tiles,
+                                  interpret=interpret)
+    if placement is None:
+        return _update(static, x, conv_state, weight, bias)
+    rows, states = PartitionSpec(placement.batch, None), PartitionSpec(placement.batch, None,
+                                                                       None)
+    return _sharding.run(placement, functools.partial(_update, static),
+                         (x, conv_state, weight, bias),
+                         (rows, states, PartitionSpec(None, None), PartitionSpec(None)),
+                         (rows, states))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _update(static, x, conv_state, weight, bias):
+    return update_kernel.update(x, conv_state, weight, bias, static=static)
+
+
+def _update_fwd(static, x, conv_state, weight, bias):
+    return _update(static, x, conv_state, weight, bias), (x, conv_state, weight, bias)
+
+
+def _update_bwd(static, residuals, cotangents):
+    # One token is cheap: differentiate the reference (x's columns read in place: zeros
+    # outside them).
+    x, conv_state, weight, bias = residuals
+    offset, c = static.column_offset, static.channels
+
+    def step(x, conv_state, weight, bias):
+        return reference.causal_conv1d_update(x[:, offset:offset + c], conv_state, weight, bias,
+                                              "silu" if static.silu else None)
+
+    grads = jax.vjp(step, x, conv_state, weight, bias)[1](cotangents)
+    return tuple(map(_sharding.cotangent_like, grads, residuals))
+
+
+_update.defvjp(_update_fwd, _update_bwd)
 
 
 # A program's channel block must lie inside the columns read and inside one output part: an

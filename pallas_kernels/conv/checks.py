@@ -50,6 +50,25 @@ def check_arrays(x, weight, bias, initial_states, seq_idx, initial_seq_idx, colu
         raise ValueError("initial_seq_idx needs seq_idx")
 
 
+def check_update(x, conv_state, weight, bias, column_offset):
+    """`causal_conv1d_update`'s arrays: x (B, C), or (B, C_x) with the C channels from
+    `column_offset`; conv_state (B, W - 1, C) with W >= 2; weight (W, C); bias (C,)."""
+    _dispatch.check_floats({"x": x, "conv_state": conv_state}, _dispatch.FLOATS,
+                           "bfloat16, float16, float32 or float64")
+    if conv_state is None:
+        raise TypeError("conv_state must be an array (B, W - 1, C), got None")
+    if x.ndim != 2:
+        raise ValueError(f"x must be (B, C) (one token per row), got {x.shape}")
+    check_arrays(x[:, None], weight, bias, None, None, None, column_offset)
+    width, c = weight.shape
+    if width < 2:
+        raise ValueError(f"weight must be (W, C) with W >= 2 (a conv state of W - 1 >= 1 rows), "
+                         f"got {weight.shape}")
+    if conv_state.shape != (x.shape[0], width - 1, c):
+        raise ValueError(f"conv_state must be (B, W - 1, C) = {(x.shape[0], width - 1, c)}, "
+                         f"got {conv_state.shape}")
+
+
 def check_split(split, channels):
     """None, or an int in (0, C): the output in two arrays, channels [0, split) and the rest."""
     if split is None:

@@ -26,3 +26,11 @@ def causal_conv1d(x, weight, bias, initial_states, seq_idx, initial_seq_idx, act
     if activation == "silu":
         out = jax.nn.silu(out)
     return out.astype(x.dtype)
+
+
+def causal_conv1d_update(x, conv_state, weight, bias, activation):
+    """One token x (B, C) after `conv_state` (B, W - 1, C): (`causal_conv1d`'s output for it
+    (B, C), the new state: the last W - 1 inputs in the state's dtype, the token last)."""
+    out = causal_conv1d(x[:, None], weight, bias, conv_state, None, None, activation)[:, 0]
+    inputs = jnp.concatenate([conv_state, x[:, None].astype(conv_state.dtype)], axis=1)
+    return out, inputs[:, 1:]

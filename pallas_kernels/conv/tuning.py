@@ -17,3 +17,4 @@ class ConvTiles:
 
 FORWARD = ConvTiles(64, 128, 8)
 BACKWARD = ConvTiles(32, 64, 4, steps=16)
+UPDATE = ConvTiles(1, 256, 4)  # one token: a launch of a few MB, timed in generate (NOTES)

@@ -6,14 +6,16 @@ One program per (head, batch row) reads its (P, N) state once and writes the new
     h <- exp(dt' A) h + dt' x B^T ;   y = h C + D x ;   y *= silu(z)
 
 The step is bandwidth-bound (the state is read and written once); dt' and the decay come from
-XLA. The kernel updates the state in place: its new-state output aliases the state input, so
-under `jax.jit` with the state donated no copy of it is made. With `state_batch_indices` the
-state is a cache of slots and each program loads its row's slot id from an input and indexes
-the cache with it (Pallas-Triton has no scalar prefetch for the BlockSpecs to read it); slots
-that no row names are never read or written. Its gradient is the jnp reference's: one step is
-cheap.
+XLA, or, in `packed_step` (the Mamba2 layer's decode step), from the kernel itself, which then
+reads x, B, C and the raw dt where they lie in the conv's and in_proj's outputs. The kernel
+updates the state in place: its new-state output aliases the state input, so under `jax.jit`
+with the state donated no copy of it is made. With `state_batch_indices` the state is a cache
+of slots and each program loads its row's slot id from an input and indexes the cache with it
+(Pallas-Triton has no scalar prefetch for the BlockSpecs to read it); slots that no row names
+are never read or written. Its gradient is the jnp reference's: one step is cheap.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -125,8 +127,94 @@ def _pallas_step_bwd(dt_softplus, dt_limit, interpret, args, cotangents):
 _pallas_step.defvjp(_pallas_step_fwd, _pallas_step_bwd)
 
 
-def _state_update_kernel(refs):
-    dt, decay = refs.step[0], refs.step[1]
+@dataclasses.dataclass(frozen=True)
+class PackedColumns:
+    """Where one token's operands lie for `packed_step`: x, B, C in the conv's output
+    [x (H P), B (G N), C (G N)], the raw dt in in_proj's output from `dt_column`."""
+
+    heads: int
+    head_dim: int  # P
+    ngroups: int
+    d_state: int  # N
+    dt_column: int
+
+    def applies(self):
+        """Whether the kernel reads the operands in place: whole blocks of P and N columns."""
+        return (_device.pow2_at_least(self.head_dim) == self.head_dim
+                and _device.pow2_at_least(self.d_state) == self.d_state
+                and (self.heads * self.head_dim) % self.d_state == 0)
+
+
+def packed_step(state, xbc, zxbcdt, A_log, dt_bias, D, *, columns, dt_limit, interpret):
+    """`selective_state_update` (dt_softplus, no z) of one token per row read where it lies:
+    x, B and C from the conv's output xbc (b, H P + 2 G N), the raw dt from in_proj's output
+    zxbcdt (b, d_in_proj) at `columns.dt_column`; the kernel computes the step size and the
+    decay itself, with A = -exp(A_log) (mamba_ssm's parameter), so no XLA op runs around it.
+    state (b, H, P, N), any float dtype, updated in place; A_log, dt_bias (H,); D (H,), (H, P)
+    or None. Returns (y (b, H, P) in xbc's dtype, the new
+    state). The caller checks `columns.applies()`; gradients are the reference's."""
+    return _packed_step((columns, tuple(dt_limit), interpret), state, xbc, zxbcdt, A_log,
+                        dt_bias, D)
+
+
+def _unpacked(columns, xbc, zxbcdt):
+    """(x (b, H, P), B, C (b, G, N), dt (b, H)) sliced out of the packed arrays."""
+    b, hp, gn = xbc.shape[0], columns.heads * columns.head_dim, columns.ngroups * columns.d_state
+    groups = (b, columns.ngroups, columns.d_state)
+    return (xbc[:, :hp].reshape(b, columns.heads, columns.head_dim),
+            xbc[:, hp:hp + gn].reshape(groups), xbc[:, hp + gn:hp + 2 * gn].reshape(groups),
+            zxbcdt[:, columns.dt_column:columns.dt_column + columns.heads])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _packed_step(static, state, xbc, zxbcdt, A_log, dt_bias, D):
+    columns, dt_limit, interpret = static
+    heads, p, n = columns.heads, columns.head_dim, columns.d_state
+    hpg = heads // columns.ngroups
+    b_block = heads * p // n
+    c_block = b_block + columns.ngroups
+    if D is not None:
+        D = D.astype(jnp.float32)
+        D = D.reshape(heads, 1) if D.ndim == 1 else D
+    token = [("x", pl.BlockSpec((None, p), lambda h, i: (i, h)), xbc),
+             ("b", pl.BlockSpec((None, n), lambda h, i: (i, b_block + h // hpg)), xbc),
+             ("c", pl.BlockSpec((None, n), lambda h, i: (i, c_block + h // hpg)), xbc),
+             ("dt", pl.BlockSpec((None, 1), lambda h, i: (i, columns.dt_column + h)), zxbcdt),
+             ("dt_bias", pl.BlockSpec((1,), lambda h, i: (h,)), dt_bias),
+             ("a_log", pl.BlockSpec((1,), lambda h, i: (h,)), A_log)]
+    return _call(state, token, D, ("z", None, None), None,
+                 jax.ShapeDtypeStruct((xbc.shape[0], heads, p), xbc.dtype),
+                 functools.partial(_state_update_kernel, dt_limit=dt_limit),
+                 interpret=interpret, num_warps=4, windows=("x", "b", "c"))
+
+
+def _packed_step_fwd(static, *args):
+    return _packed_step(static, *args), args
+
+
+def _packed_step_bwd(static, args, cotangents):
+    columns, dt_limit, _ = static
+
+    def step(state, xbc, zxbcdt, A_log, dt_bias, D):
+        x, b, c, dt = _unpacked(columns, xbc, zxbcdt)
+        return reference.selective_state_update(state, x, dt, -jnp.exp(A_log), b, c, D=D,
+                                                dt_bias=dt_bias, dt_softplus=True,
+                                                dt_limit=dt_limit)
+
+    grads = jax.vjp(step, *args)[1](cotangents)
+    return tuple(map(_sharding.cotangent_like, grads, args))
+
+
+_packed_step.defvjp(_packed_step_fwd, _packed_step_bwd)
+
+
+def _state_update_kernel(refs, *, dt_limit=None):
+    if refs.step is not None:
+        dt, decay = refs.step[0], refs.step[1]
+    else:  # one raw dt: softplus(dt + dt_bias) clamped, as `semantics.step_sizes`
+        dt = semantics.step_sizes(refs.dt[0].astype(jnp.float32), refs.dt_bias[0], True,
+                                  dt_limit, jnp.float32)
+        decay = jnp.exp(-dt * jnp.exp(refs.a_log[0].astype(jnp.float32)))  # A = -exp(A_log)
     x = refs.x[...].astype(jnp.float32)
     b = refs.b[...].astype(jnp.float32)
     c = refs.c[...].astype(jnp.float32)
@@ -168,26 +256,41 @@ def _state_update(state, step, x, b, c, d, z, slots, *, interpret, num_warps=4):
     hpg = heads // b.shape[1]
     vector = pl.BlockSpec((None, None, p_pad), lambda h, i: (i, h, 0))
     group = pl.BlockSpec((None, None, n_pad), lambda h, i: (i, h // hpg, 0))
+    token = [("step", pl.BlockSpec((None, None, 2), lambda h, i: (i, h, 0)), step),
+             ("x", vector, x), ("b", group, b), ("c", group, c)]
+    return _call(state, token, d, ("z", vector, z), slots,
+                 jax.ShapeDtypeStruct(x.shape, x.dtype), _state_update_kernel,
+                 interpret=interpret, num_warps=num_warps)
+
+
+def _call(state, token, d, gate, slots, y_struct, kernel, *, interpret, num_warps,
+          windows=()):
+    """The state-update kernel over grid (H, B) with the state, `token` (its (name, BlockSpec,
+    array) operands, x's blocks (P,)), D, the `gate` operand (z's) and the slots; y (B, H, P)
+    as `y_struct`."""
+    batch, heads, p_pad = y_struct.shape
+    n_pad = state.shape[-1]
     if slots is None:
         state_spec = pl.BlockSpec((None, None, p_pad, n_pad), lambda h, i: (i, h, 0, 0))
     else:  # every slot of head h; the kernel picks the row's
         state_spec = pl.BlockSpec((state.shape[0], None, p_pad, n_pad), lambda h, i: (0, h, 0, 0))
-    inputs = (Operands()
-              .add("state", state_spec, state)
-              .add("step", pl.BlockSpec((None, None, 2), lambda h, i: (i, h, 0)), step)
-              .add("x", vector, x).add("b", group, b).add("c", group, c)
-              .add("d", None if d is None else pl.BlockSpec((None, d.shape[1]),
-                                                             lambda h, i: (h, 0)), d)
-              .add("z", vector, z)
+    inputs = Operands().add("state", state_spec, state)
+    for operand in token:
+        inputs.add(*operand)
+    inputs = (inputs.add("d", None if d is None else pl.BlockSpec((None, d.shape[1]),
+                                                                   lambda h, i: (h, 0)), d)
+              .add(*gate)
               .add("slot", pl.BlockSpec((None,), lambda h, i: (i,)), slots))
-    outputs = (Operands().add("y", vector, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    outputs = (Operands()
+               .add("y", pl.BlockSpec((None, None, p_pad), lambda h, i: (i, h, 0)), y_struct)
                .add("new_state", state_spec, jax.ShapeDtypeStruct(state.shape, state.dtype)))
     out = _operands.call(
-        _state_update_kernel, inputs, outputs,
+        kernel, inputs, outputs,
         grid=(heads, batch),
         num_warps=num_warps, num_stages=1,
         interpret=interpret,
         name="ssd_state_update",
         aliases={"state": "new_state"},
+        windows=windows,
     )
     return out["y"], out["new_state"]

@@ -15,6 +15,9 @@ Forward: the conv kernels read xBC's columns in place and write x and [B, C] apa
 (`conv.forward.convolve`), the SSD (`mamba_chunk_scan_combined`, its own custom_vjp, whose
 pullback the backward calls) reads dt's columns sliced (B, T, H), the norm kernels read z's
 columns in place. First derivatives only, as the conv's and the norm's.
+
+`split_conv_step` is the decode counterpart for one token: the conv update and the SSM state
+update, each kernel reading its operands in place and writing its state over its buffer.
 """
 
 import dataclasses
@@ -27,6 +30,7 @@ from pallas_kernels.conv import api as conv_api
 from pallas_kernels.conv import backward as conv_backward
 from pallas_kernels.conv import forward as conv_forward
 from pallas_kernels.mamba2 import api as ssd_api
+from pallas_kernels.mamba2 import decode
 from pallas_kernels.norm import api as norm_api
 from pallas_kernels.norm import backward as norm_backward
 from pallas_kernels.norm import forward as norm_forward
@@ -51,6 +55,42 @@ class MixerShape:
     def width(self):
         """d_in_proj."""
         return self.d_ssm + self.conv_dim + self.nheads
+
+
+def step_applies(shape, width):
+    """Whether `split_conv_step`'s kernels take a mixer of this shape: a conv of width >= 2
+    (a state to update), x, B and C in whole blocks of the state-update kernel."""
+    return width >= 2 and _columns(shape, 0).applies()
+
+
+def split_conv_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
+                    *, shape, column_offset, dt_limit, interpret):
+    """One token of the mixer in decode, from in_proj's output zxbcdt (B, d_in_proj) whose
+    [z, xBC, dt] start at `column_offset` (after a gated MLP's columns): the causal conv + SiLU
+    of xBC after conv_state (B, W - 1, conv_dim) and the SSM step of its x, B, C from
+    ssm_state (B, H, P, N) with dt (softplus of dt + dt_bias, clamped to `dt_limit`), A =
+    -exp(A_log) (H,) (taken as mamba_ssm's parameter, so that no XLA op computes A each step)
+    and D (H,) or (H, P), without the gate (the norm applies it). Two kernels and no XLA op
+    between them: the conv's reads xBC in place and writes the conv state over its buffer
+    (`causal_conv1d_update`), the step's reads x, B, C from the conv's output and dt from
+    zxbcdt in place and writes the SSM state over its buffer (`decode.packed_step`).
+
+    Returns (y (B, H, P) in zxbcdt's dtype, the new conv state, the new SSM state), the
+    states in their dtypes. The caller checks `step_applies`; differentiable (the
+    references' gradients)."""
+    xbc, conv_state = conv_api.causal_conv1d_update(
+        zxbcdt, conv_state, conv_weight, conv_bias, column_offset=column_offset + shape.d_ssm,
+        implementation="pallas", interpret=interpret)
+    y, ssm_state = decode.packed_step(ssm_state, xbc, zxbcdt, A_log, dt_bias, D,
+                                      columns=_columns(shape, column_offset),
+                                      dt_limit=dt_limit, interpret=interpret)
+    return y, conv_state, ssm_state
+
+
+def _columns(shape, column_offset):
+    return decode.PackedColumns(
+        heads=shape.nheads, head_dim=shape.d_ssm // shape.nheads, ngroups=shape.ngroups,
+        d_state=shape.d_state, dt_column=column_offset + shape.d_ssm + shape.conv_dim)
 
 
 def applies(zxbcdt, shape):

@@ -107,3 +107,18 @@ def test_norm_reads_z_in_place_on_the_gpu():
     for got, want in zip(kernel, ref, strict=True):
         assert rel_error(got, want) < 2e-2
     assert not np.any(np.asarray(kernel[3], np.float32)[..., 4096:])
+
+
+@pytest.mark.parametrize("b, c, x_width, offset", [(64, 4224, 8384, 4096), (3, 200, 200, None),
+                                                  (2, 300, 700, 256)])
+def test_conv_update_matches_the_reference_on_the_gpu(b, c, x_width, offset):
+    """One token's step (`causal_conv1d_update`): the mixer's decode call (xBC read in place
+    from in_proj's output), a ragged C (the edge block masked), a ragged C read in place (its
+    last block reaching into the next columns)."""
+    x, states, weight, bias = _normals(4, (b, x_width), (b, 3, c), (4, c), (c,))
+    got = pallas_kernels.causal_conv1d_update(x, states, weight, bias, column_offset=offset,
+                                              implementation="pallas")
+    want = pallas_kernels.causal_conv1d_update(x.astype(jnp.float32), states, weight, bias,
+                                               column_offset=offset, implementation="xla")
+    assert rel_error(got[0], want[0]) < 2e-2 and _worst_row_error(got[0], want[0]) < 3e-2
+    np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32))

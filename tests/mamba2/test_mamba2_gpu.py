@@ -110,3 +110,36 @@ def test_inside_a_shard_map_with_check_vma_equals_the_direct_call():
     assert rel_error(y, y_ref) < 1e-6 and rel_error(final, final_ref) < 1e-6
     for name, grad in grads.items():  # bf16 sums in another order; a lost or doubled sum is not
         assert rel_error(grad, grads_ref[name]) < 1e-3, name
+
+
+def test_decode_step_against_the_ops_references_on_the_gpu():
+    """The mixer's decode step (`mixer.split_conv_step`) at the zamba2-like shape, batch 64:
+    the conv update and the state update reading in_proj's output in place, against the two
+    public ops' references in float32."""
+    from pallas_kernels.mamba2 import mixer
+
+    shape = mixer.MixerShape(d_ssm=4096, ngroups=1, d_state=64, nheads=64, norm_group_size=4096)
+    keys = jax.random.split(jax.random.key(7), 8)
+    b, d, gn = 64, shape.d_ssm, shape.d_state
+    zxbcdt = jax.random.normal(keys[0], (b, shape.width), jnp.bfloat16)
+    conv_state = jax.random.normal(keys[1], (b, 3, shape.conv_dim), jnp.bfloat16)
+    ssm_state = jax.random.normal(keys[2], (b, 64, 64, 64), jnp.bfloat16)
+    weight = jax.random.normal(keys[3], (4, shape.conv_dim)) * 0.5
+    bias = jax.random.normal(keys[4], (shape.conv_dim,)) * 0.5
+    dt_bias = jax.random.uniform(keys[5], (64,), minval=-3.0, maxval=-1.0)
+    A = -jax.random.uniform(keys[6], (64,), minval=0.5, maxval=4.0)
+    D = jax.random.normal(keys[7], (64,))
+    y, new_conv, new_ssm = jax.jit(functools.partial(
+        mixer.split_conv_step, shape=shape, column_offset=0, dt_limit=(0.0, float("inf")),
+        interpret=False))(zxbcdt, conv_state, ssm_state, weight, bias, dt_bias, jnp.log(-A), D)
+    xbc, want_conv = pallas_kernels.causal_conv1d_update(
+        zxbcdt[:, d:d + shape.conv_dim].astype(jnp.float32), conv_state, weight, bias,
+        implementation="xla")
+    want_y, want_ssm = pallas_kernels.selective_state_update(
+        ssm_state, xbc[:, :d].reshape(b, 64, 64), zxbcdt[:, d + shape.conv_dim:], A,
+        xbc[:, d:d + gn].reshape(b, 1, gn), xbc[:, d + gn:].reshape(b, 1, gn), D=D,
+        dt_bias=dt_bias, dt_softplus=True, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(new_conv, np.float32),
+                                  np.asarray(want_conv, np.float32))
+    assert rel_error(y, want_y) < 2e-2
+    assert rel_error(new_ssm, want_ssm) < 1e-2

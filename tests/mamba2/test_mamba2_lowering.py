@@ -55,3 +55,16 @@ def test_fused_mixer_lowers_to_the_three_ops_kernels(target):
         assert kernel in text, kernel
     assert text.count(TRITON_CALL) == 4 + _TRITON_CALLS + 1  # the T 4096 walks take unit sums
     assert "dynamic_update_slice" in text
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_decode_step_lowers_to_two_kernels_and_nothing_between(target):
+    """The mixer's decode step (`mamba2-decode-step`): the conv update and the state update,
+    each reading its operands in place (no slice, no step-size fusion around them), both
+    states written over their buffers."""
+    _, lowered = lower("mamba2-decode-step", target)
+    text = lowered.as_text()
+    assert text.count(TRITON_CALL) == 2
+    assert "causal_conv1d_update" in text and "ssd_state_update" in text
+    assert "stablehlo.slice" not in text and "stablehlo.concatenate" not in text
+    assert text.count("output_operand_alias<") == 2

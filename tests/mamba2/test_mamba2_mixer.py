@@ -143,3 +143,115 @@ def test_which_layers_fuse(kwargs, fuses, monkeypatch):
     assert (layer._fused_mixer(zxbcdt, None) == "fused") == fuses
     if fuses:  # sequence ids
         assert layer._fused_mixer(zxbcdt, jnp.zeros((1, 8), jnp.int32)) is None
+
+
+# The decode step (`mixer.split_conv_step`): one token from the conv and SSM states, in_proj's
+# output read in place (after `OFFSET` columns of a gated MLP).
+OFFSET = 32
+
+
+def _step_arrays(case):
+    arrays = _arrays(case)
+    b, shape, dtype = case[1], _shape(case), case[-1]
+    rng = np.random.default_rng(zlib.crc32(case[0].encode()) + 1)
+    mlp = jnp.asarray(rng.standard_normal((b, OFFSET)), dtype)
+    p = shape.d_ssm // shape.nheads
+    return dict(
+        zxbcdt=jnp.concatenate([mlp, arrays["zxbcdt"][:, 0]], axis=1),
+        conv_state=jnp.asarray(rng.standard_normal((b, 3, shape.conv_dim)), dtype),
+        ssm_state=jnp.asarray(rng.standard_normal((b, shape.nheads, p, shape.d_state)), F32),
+        A_log=jnp.log(-arrays["A"]),
+        **{k: arrays[k] for k in ("conv_weight", "conv_bias", "dt_bias", "D")})
+
+
+def _step_composed(case, implementation, zxbcdt, conv_state, ssm_state, conv_weight, conv_bias,
+                   dt_bias, A_log, D):
+    """`causal_conv1d_update` and `selective_state_update` on the packed row's slices."""
+    shape = _shape(case)
+    b, d, gn, start = zxbcdt.shape[0], shape.d_ssm, shape.ngroups * shape.d_state, OFFSET
+    run = dict(implementation=implementation, interpret=True)
+    xbc, conv_state = pallas_kernels.causal_conv1d_update(
+        zxbcdt[:, start + d:start + d + shape.conv_dim], conv_state, conv_weight, conv_bias,
+        **run)
+    groups = (b, shape.ngroups, shape.d_state)
+    y, ssm_state = pallas_kernels.selective_state_update(
+        ssm_state, xbc[:, :d].reshape(b, shape.nheads, -1),
+        zxbcdt[:, start + d + shape.conv_dim:], -jnp.exp(A_log), xbc[:, d:d + gn].reshape(groups),
+        xbc[:, d + gn:].reshape(groups), D=D, dt_bias=dt_bias, dt_softplus=True,
+        dt_limit=_options(case)["dt_limit"], **run)
+    return y, conv_state, ssm_state
+
+
+def _step_fused(case, zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log,
+                D):
+    return mixer.split_conv_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, dt_bias,
+                                 A_log, D, shape=_shape(case), column_offset=OFFSET,
+                                 dt_limit=_options(case)["dt_limit"], interpret=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_decode_step_and_its_gradients_match_the_ops(case):
+    """Values those of the two public ops' kernels on the slices (to the last bits: the step
+    size is computed in the kernel, not by XLA); values and every gradient within rounding of
+    the ops' references."""
+    arrays = _step_arrays(case)
+    assert mixer.step_applies(_shape(case), 4)
+    got = _step_fused(case, **arrays)
+    kernels = _step_composed(case, "pallas", **arrays)
+    for g, k in zip(got, kernels, strict=True):
+        assert g.dtype == k.dtype and rel_error(g, k) < 1e-6
+    douts = [jnp.asarray(np.random.default_rng(9).standard_normal(o.shape), o.dtype)
+             for o in got]
+    out, grads = _gradients(functools.partial(_step_fused, case), arrays, tuple(douts))
+    want, want_grads = _gradients(functools.partial(_step_composed, case, "xla"), arrays,
+                                  tuple(douts))
+    tolerance = 2e-2 if case[-1] == BF16 else 1e-5
+    for o, w in zip(out, want, strict=True):
+        assert o.dtype == w.dtype and rel_error(o, w) < tolerance
+    for name, g in grads.items():
+        assert g.dtype == arrays[name].dtype, name
+        assert rel_error(g, want_grads[name]) < tolerance, name
+
+
+def test_decode_step_reads_only_its_columns():
+    """NaN in z's and the gated MLP's columns of in_proj's output leaves the step finite."""
+    case = CASES[0]
+    arrays = _step_arrays(case)
+    width = arrays["zxbcdt"].shape[1]
+    other = jnp.arange(width) < OFFSET + _shape(case).d_ssm
+    arrays["zxbcdt"] = jnp.where(other, jnp.nan, arrays["zxbcdt"])
+    for out in _step_fused(case, **arrays):
+        assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+@pytest.mark.parametrize("kwargs, fuses", [
+    (dict(implementation="pallas"), True),
+    (dict(implementation="pallas", d_ssm=64), True),  # a gated MLP's columns first
+    (dict(implementation="xla"), False),
+    (dict(implementation="pallas", rmsnorm=False), False),  # z gates the step itself
+    (dict(implementation="pallas", d_state=24), False),  # N not a power of two
+    (dict(implementation="pallas", d_conv=1), False),  # no conv state
+])
+def test_which_layers_step_fused(kwargs, fuses, monkeypatch):
+    monkeypatch.setattr(mixer, "split_conv_step", lambda *args, **kwargs: "fused")
+    layer = flax_layers.Mamba2(64, **{"headdim": 32, "d_state": 16, **kwargs},
+                               rngs=nnx.Rngs(0))
+    layer.init_cache(2)
+    zxbcdt = jnp.zeros((2, 1, layer.in_proj.kernel.shape[1]), BF16)
+    assert (layer._fused_step(zxbcdt, layer.conv_state[...], layer.ssm_state[...])
+            == "fused") == fuses
+
+
+@pytest.mark.parametrize("d_ssm", [None, 64])
+def test_layer_steps_continue_the_forward(d_ssm):
+    """The layer decoding token by token through the fused step (with and without a gated
+    MLP's columns before it) gives the forward's outputs."""
+    u = jax.random.normal(jax.random.key(4), (2, 11, 64))
+    layers = [flax_layers.Mamba2(64, d_ssm=d_ssm, d_state=16, headdim=32, chunk_size=16,
+                                 implementation=implementation, rngs=nnx.Rngs(6))
+              for implementation in ("pallas", "xla")]
+    full = layers[1](u)
+    layer = layers[0]
+    layer.init_cache(2)
+    steps = jnp.concatenate([layer(u[:, t:t + 1], decode=True) for t in range(11)], axis=1)
+    assert rel_error(steps, full) < 1e-5
