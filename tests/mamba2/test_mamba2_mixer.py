@@ -242,12 +242,17 @@ def test_which_layers_step_fused(kwargs, fuses, monkeypatch):
             == "fused") == fuses
 
 
-@pytest.mark.parametrize("d_ssm", [None, 64])
-def test_layer_steps_continue_the_forward(d_ssm):
-    """The layer decoding token by token through the fused step (with and without a gated
-    MLP's columns before it) gives the forward's outputs."""
-    u = jax.random.normal(jax.random.key(4), (2, 11, 64))
-    layers = [flax_layers.Mamba2(64, d_ssm=d_ssm, d_state=16, headdim=32, chunk_size=16,
+@pytest.mark.parametrize("options", [
+    dict(d_model=64),
+    dict(d_model=64, d_ssm=64),  # a gated MLP's columns before z
+    # xBC from column 256, read in place by the conv; groups, a finite dt_limit, D per channel
+    dict(d_model=128, ngroups=2, dt_limit=(0.01, 0.05), D_has_hdim=True),
+], ids=["plain", "gated-mlp", "in-place-groups-limit"])
+def test_layer_steps_continue_the_forward(options):
+    """The layer decoding token by token through the fused step gives the forward's outputs."""
+    d_model = options["d_model"]
+    u = jax.random.normal(jax.random.key(4), (2, 11, d_model))
+    layers = [flax_layers.Mamba2(**options, d_state=16, headdim=32, chunk_size=16,
                                  implementation=implementation, rngs=nnx.Rngs(6))
               for implementation in ("pallas", "xla")]
     full = layers[1](u)
