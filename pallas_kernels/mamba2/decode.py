@@ -151,8 +151,8 @@ def packed_step(state, xbc, zxbcdt, A_log, dt_bias, D, *, columns, dt_limit, int
     zxbcdt (b, d_in_proj) at `columns.dt_column`; the kernel computes the step size and the
     decay itself, with A = -exp(A_log) (mamba_ssm's parameter), so no XLA op runs around it.
     state (b, H, P, N), any float dtype, updated in place; A_log, dt_bias (H,); D (H,), (H, P)
-    or None. Returns (y (b, H, P) in xbc's dtype, the new
-    state). The caller checks `columns.applies()`; gradients are the reference's."""
+    or None. Returns (y (b, H, P) in xbc's dtype, the new state). The caller checks
+    `columns.applies()`; gradients are the reference's."""
     return _packed_step((columns, tuple(dt_limit), interpret), state, xbc, zxbcdt, A_log,
                         dt_bias, D)
 
@@ -182,7 +182,7 @@ def _packed_step(static, state, xbc, zxbcdt, A_log, dt_bias, D):
              ("dt", pl.BlockSpec((None, 1), lambda h, i: (i, columns.dt_column + h)), zxbcdt),
              ("dt_bias", pl.BlockSpec((1,), lambda h, i: (h,)), dt_bias),
              ("a_log", pl.BlockSpec((1,), lambda h, i: (h,)), A_log)]
-    return _call(state, token, D, ("z", None, None), None,
+    return _call(state, token, D, None, None,
                  jax.ShapeDtypeStruct((xbc.shape[0], heads, p), xbc.dtype),
                  functools.partial(_state_update_kernel, dt_limit=dt_limit),
                  interpret=interpret, num_warps=4, windows=("x", "b", "c"))
@@ -251,25 +251,25 @@ def _state_update(state, step, x, b, c, d, z, slots, *, interpret, num_warps=4):
     float32, or None; slots (B,) int32 or None. Returns y (B, H, Pp) in x's dtype and the new
     state, the state's buffer updated in place (same shape and dtype).
     """
-    batch, heads, p_pad = x.shape
+    heads, p_pad = x.shape[1:]
     n_pad = state.shape[-1]
     hpg = heads // b.shape[1]
     vector = pl.BlockSpec((None, None, p_pad), lambda h, i: (i, h, 0))
     group = pl.BlockSpec((None, None, n_pad), lambda h, i: (i, h // hpg, 0))
     token = [("step", pl.BlockSpec((None, None, 2), lambda h, i: (i, h, 0)), step),
              ("x", vector, x), ("b", group, b), ("c", group, c)]
-    return _call(state, token, d, ("z", vector, z), slots,
+    return _call(state, token, d, z, slots,
                  jax.ShapeDtypeStruct(x.shape, x.dtype), _state_update_kernel,
                  interpret=interpret, num_warps=num_warps)
 
 
-def _call(state, token, d, gate, slots, y_struct, kernel, *, interpret, num_warps,
-          windows=()):
+def _call(state, token, d, z, slots, y_struct, kernel, *, interpret, num_warps, windows=()):
     """The state-update kernel over grid (H, B) with the state, `token` (its (name, BlockSpec,
-    array) operands, x's blocks (P,)), D, the `gate` operand (z's) and the slots; y (B, H, P)
-    as `y_struct`."""
+    array) operands, x's blocks (P,)), D, z (B, H, P) or None and the slots; y (B, H, P) as
+    `y_struct`."""
     batch, heads, p_pad = y_struct.shape
     n_pad = state.shape[-1]
+    vector = pl.BlockSpec((None, None, p_pad), lambda h, i: (i, h, 0))
     if slots is None:
         state_spec = pl.BlockSpec((None, None, p_pad, n_pad), lambda h, i: (i, h, 0, 0))
     else:  # every slot of head h; the kernel picks the row's
@@ -279,10 +279,10 @@ def _call(state, token, d, gate, slots, y_struct, kernel, *, interpret, num_warp
         inputs.add(*operand)
     inputs = (inputs.add("d", None if d is None else pl.BlockSpec((None, d.shape[1]),
                                                                    lambda h, i: (h, 0)), d)
-              .add(*gate)
+              .add("z", vector, z)
               .add("slot", pl.BlockSpec((None,), lambda h, i: (i,)), slots))
     outputs = (Operands()
-               .add("y", pl.BlockSpec((None, None, p_pad), lambda h, i: (i, h, 0)), y_struct)
+               .add("y", vector, y_struct)
                .add("new_state", state_spec, jax.ShapeDtypeStruct(state.shape, state.dtype)))
     out = _operands.call(
         kernel, inputs, outputs,
