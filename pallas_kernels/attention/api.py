@@ -81,8 +81,9 @@ def dot_product_attention(
         rows in the kernel when the bias's batch dim is 1 ((1, N, T, S) float32 in memory),
         else (B, N, T, S) float32 summed by XLA.
       mask: a boolean mask broadcastable to (B, N, T, S) (True: the query sees the key), or
-        None. Read tile by tile in the kernels; blocks it masks whole at the start or end of a
-        row of blocks are skipped, and blocks it leaves whole run unmasked.
+        None. Packed 8 keys a byte (where it has a key dim) and read tile by tile in the
+        kernels; blocks it masks whole at the start or end of a row of blocks are skipped, and
+        blocks it leaves whole run unmasked.
       scale: logit scale, a finite number > 0 (a Python number or a concrete scalar array);
         default 1/sqrt(H).
       is_causal: query i sees keys j <= i, aligned top-left as in jax.nn (when T != S, query 0
@@ -266,11 +267,13 @@ class _Config:
 
     def pad_pair(self, pair):
         """A user's mask or bias (B', N', T', S') padded to (Tp, Sp) where not broadcast (a mask
-        as int8, its padding masked); None stays None."""
+        packed by `masking.pack_mask`, its padding masked); None stays None."""
         if pair is None:
             return None
         t_pad, s_pad, _ = self.padded
-        pair = pair.astype(jnp.int8) if pair.dtype == jnp.bool_ else pair
+        if pair.dtype == jnp.bool_:
+            return masking.pack_mask(pair, t_pad, s_pad,
+                                     packed=tuning.packs_masks(_device.target()[0]))
         return _device.pad_end(pair, (None, None, t_pad if pair.shape[2] > 1 else None,
                                       s_pad if pair.shape[3] > 1 else None))
 
@@ -380,7 +383,7 @@ def _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, shift, mask, ker
                                                                        num_k_blocks)
     row_block, col_block = ((blocks.block_k, blocks.block_q) if kernel == "dkv"
                             else (blocks.block_q, blocks.block_k))
-    visible = masking.pair_blocks(mask != 0, num_row_blocks=rows, row_block=row_block,
+    visible = masking.pair_blocks(mask, num_row_blocks=rows, row_block=row_block,
                                   num_col_blocks=cols, col_block=col_block,
                                   transpose=kernel == "dkv")
     return masking.narrow_to_pairs(table, *visible)
@@ -424,7 +427,7 @@ def _reference_attention(config, q, k, v, q_seg, kv_seg, q_len, kv_len, shift, m
         query_seq_lengths=jnp.full((batch,), t, jnp.int32) if q_len is None else q_len,
         key_value_seq_lengths=jnp.full((batch,), s, jnp.int32) if kv_len is None else kv_len,
         logits_soft_cap=static.logits_soft_cap, return_residual=True, shift=shift,
-        mask=None if mask is None else mask != 0, bias=bias,
+        mask=None if mask is None else masking.unpack_mask(mask), bias=bias,
     )
     return out, jnp.swapaxes(lse, 1, 2)
 

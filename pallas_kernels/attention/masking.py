@@ -150,24 +150,72 @@ def block_table(
     return xp.stack(columns, axis=-1)
 
 
+PACKED_KEYS = 8  # keys a byte of a packed mask holds
+
+
+def pack_mask(mask, t_pad, s_pad, *, packed=True):
+    """A user's boolean mask (B', N', T', S') as the kernels read it: T' and S' padded with
+    False to Tp and Sp unless 1 (broadcast; T'' below is Tp or 1, S'' Sp or 1). With S' > 1 and
+    `packed`, uint8 (B', N', T'', Sp / 8) whose byte c holds keys 8c .. 8c + 7, key 8c + k in
+    bit k (an eighth of the bytes of one entry a pair); else int8 (B', N', T'', S''), 1 where
+    visible."""
+    pad_rows = t_pad if mask.shape[2] > 1 else None
+    if mask.shape[3] == 1 or not packed:
+        pad_cols = s_pad if mask.shape[3] > 1 else None
+        return _device.pad_end(mask.astype(jnp.int8), (None, None, pad_rows, pad_cols))
+    bits = _device.pad_end(mask, (None, None, pad_rows, s_pad)).astype(jnp.uint8)
+    bits = bits.reshape(*bits.shape[:3], s_pad // PACKED_KEYS, PACKED_KEYS)
+    bytes_ = bits[..., 0]
+    for k in range(1, PACKED_KEYS):  # an elementwise fusion, 8 adjacent bytes an output
+        bytes_ = bytes_ | (bits[..., k] << k)
+    return bytes_
+
+
+def is_packed(mask):
+    """Whether a mask from `pack_mask` holds 8 keys a byte (else one int8 entry a pair)."""
+    return mask.dtype == jnp.uint8
+
+
+def unpack_mask(mask):
+    """`pack_mask`'s output as booleans (B', N', T'', S'')."""
+    if not is_packed(mask):
+        return mask != 0
+    bits = (mask[..., None] >> jnp.arange(PACKED_KEYS, dtype=jnp.uint8)) & 1
+    return bits.reshape(*mask.shape[:3], mask.shape[3] * PACKED_KEYS) != 0
+
+
 def pair_blocks(pair_mask, *, num_row_blocks, row_block, num_col_blocks, col_block,
                 transpose=False):
     """Which blocks of a user's mask hold a visible pair, and which hold only visible pairs.
 
-    `pair_mask` (B', N', T', S') boolean, padded to whole blocks; a dim of size 1 broadcasts.
-    Rows are query blocks, columns key blocks (`transpose`: rows are key blocks). Heads are
-    merged (a block is visible if any head sees a pair in it, full if every head sees all).
-    Returns (any, all), each (B', num_row_blocks, num_col_blocks) bool.
+    `pair_mask` (B', N', T', S') from `pack_mask`, padded to whole blocks; a dim of size 1
+    broadcasts. Rows are query blocks, columns key blocks (`transpose`: rows are key blocks).
+    Heads are merged (a block is visible if any head sees a pair in it, full if every head sees
+    all). Returns (any, all), each (B', num_row_blocks, num_col_blocks) bool.
     """
+    visible_any = pair_mask != 0
+    visible_all = pair_mask == 0xFF if is_packed(pair_mask) else visible_any
+    if is_packed(pair_mask):  # a key block is block / 8 bytes
+        if transpose:
+            row_block //= PACKED_KEYS
+        else:
+            col_block //= PACKED_KEYS
+    return tuple(_reduce_blocks(reduce, entries, num_row_blocks, row_block, num_col_blocks,
+                                col_block, transpose)
+                 for reduce, entries in ((jnp.any, visible_any), (jnp.all, visible_all)))
+
+
+def _reduce_blocks(reduce, pair_mask, num_row_blocks, row_block, num_col_blocks, col_block,
+                   transpose):
+    """`reduce` (jnp.any or jnp.all) of (B', N', T', S') booleans over heads and each block:
+    (B', num_row_blocks, num_col_blocks)."""
     if transpose:
         pair_mask = jnp.swapaxes(pair_mask, 2, 3)
     b, n, rows, cols = pair_mask.shape
     blocks = pair_mask.reshape(
         b, n, 1 if rows == 1 else num_row_blocks, 1 if rows == 1 else row_block,
         1 if cols == 1 else num_col_blocks, 1 if cols == 1 else col_block)
-    shape = (b, num_row_blocks, num_col_blocks)
-    return tuple(jnp.broadcast_to(reduce(blocks, axis=(1, 3, 5)), shape)
-                 for reduce in (jnp.any, jnp.all))
+    return jnp.broadcast_to(reduce(blocks, axis=(1, 3, 5)), (b, num_row_blocks, num_col_blocks))
 
 
 def narrow_to_pairs(table, visible_any, visible_all):

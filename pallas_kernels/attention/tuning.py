@@ -114,6 +114,17 @@ _TABLE = {
 _CAUSAL_GROUP_SPLITS = {"hopper": (4, 4)}
 
 
+# Families whose kernels read a user's mask one int8 entry a pair instead of packed 8 keys a
+# byte (`masking.pack_mask`): on gfx942 the byte gather takes the d128 dQ kernel from 254 to 258
+# VGPRs, past the 256 that leave it 2 waves a SIMD (`tests/test_machine_code.py`).
+_UNPACKED_MASKS = frozenset({"cdna"})
+
+
+def packs_masks(device_kind):
+    """Whether a user's mask reaches the kernels packed 8 keys a byte on this device kind."""
+    return _device.family(device_kind) not in _UNPACKED_MASKS
+
+
 def blocks_for(device_kind, head_dim, *, groups=1, causal=False):
     """The table's AttentionBlocks for a device kind and a (padded, power-of-two) head dim
     <= 256; with `causal` (keys past the diagonal skipped) and a GQA group of `groups` query

@@ -63,3 +63,36 @@ def test_long_sequence_memory_is_linear():
     q = jax.random.normal(jax.random.key(0), (1, 32768, 16, 128), jnp.bfloat16)
     grads = step(q, q, q)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 8, 1000, 777), (2, 1, 1, 777), (1, 1, 1000, 1)],
+                         ids=["BNTS", "B11S", "11T1"])
+def test_user_mask_and_bias_match_jax_nn(mask_shape):
+    """A user's mask (packed 8 keys a byte where it has keys) and a bias, GQA 4:1, ragged T and
+    S: outputs and every gradient, the bias's too, against jax.nn's XLA attention in float32."""
+    b, t, s, n, k, h = 2, 1000, 777, 8, 2, 128
+    keys = jax.random.split(jax.random.key(3), 6)
+    q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
+    kv = [jax.random.normal(key, (b, s, k, h), jnp.bfloat16) for key in keys[1:3]]
+    bias = jax.random.normal(keys[3], (1, n, t, s), jnp.bfloat16)
+    mask = jax.random.uniform(keys[4], mask_shape) < 0.7
+    mask = mask.at[..., :1].set(True)  # every query sees a key (jax.nn differs on those that don't)
+    weights = jax.random.normal(keys[5], q.shape, jnp.float32)
+
+    def grads(attention, dtype):
+        def loss(q, k, v, bias):
+            out = attention(q, k, v, bias, mask)
+            return jnp.sum(out.astype(jnp.float32) * weights), out
+
+        args = [x.astype(dtype) for x in (q, *kv, bias)]
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(*args)
+        return out, *grads
+
+    ours = grads(functools.partial(pallas(), is_causal=False), jnp.bfloat16)
+    theirs = grads(functools.partial(jax.nn.dot_product_attention, implementation="xla"),
+                   jnp.float32)
+    for name, x, ref in zip(("out", "dq", "dk", "dv", "dbias"), ours, theirs, strict=True):
+        x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+        assert np.isfinite(x).all(), name
+        error = np.linalg.norm(x - ref) / np.linalg.norm(ref)
+        assert error < 2e-2, f"{name}: relative error {error:.2e}"

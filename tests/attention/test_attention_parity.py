@@ -177,7 +177,7 @@ def test_mask_equal_to_causal_visits_the_causal_blocks():
     """The block tables built from a causal mask skip and leave unmasked the same blocks as
     is_causal=True."""
     q, k, _ = _inputs(0, t=128, s=128)
-    causal = jnp.tril(jnp.ones((128, 128), bool))[None, None].astype(jnp.int8)
+    causal = masking.pack_mask(jnp.tril(jnp.ones((128, 128), bool))[None, None], 128, 128)
     for kernel in ("forward", "dq", "dkv"):
         tables = []
         for is_causal, mask in ((True, None), (False, causal)):
@@ -188,6 +188,46 @@ def test_mask_equal_to_causal_visits_the_causal_blocks():
                                                  mask, kernel))[..., :4])
         np.testing.assert_array_equal(tables[1], np.broadcast_to(tables[0], tables[1].shape),
                                       err_msg=kernel)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "int8"])
+@pytest.mark.parametrize("shape", [(B, N, T, S), (B, 1, 1, S), (1, N, T, 1), (1, 1, 1, 1)])
+def test_a_packed_mask_holds_the_mask_and_its_blocks(shape, packed):
+    """`masking.pack_mask` keeps every key's bit (8 a byte where the mask has keys, or one int8
+    entry a pair), pads with False, and its blocks' any / all are those of the boolean mask, in
+    both orientations."""
+    t_pad, s_pad, rows, cols = 48, 64, 16, 32
+    mask = _mask(15, shape)
+    stored = masking.pack_mask(mask, t_pad, s_pad, packed=packed)
+    assert masking.is_packed(stored) == (packed and shape[3] > 1)
+    padded = np.zeros((*shape[:2], t_pad if shape[2] > 1 else 1, s_pad if shape[3] > 1 else 1),
+                      bool)
+    padded[..., :shape[2], :shape[3]] = np.asarray(mask)
+    np.testing.assert_array_equal(np.asarray(masking.unpack_mask(stored)), padded)
+    full = np.broadcast_to(padded, (*shape[:2], t_pad, s_pad)).reshape(
+        shape[0], shape[1], t_pad // rows, rows, s_pad // cols, cols)
+    for transpose in (False, True):
+        blocks = dict(num_row_blocks=t_pad // rows, row_block=rows, num_col_blocks=s_pad // cols,
+                      col_block=cols)
+        want = (full.any(axis=(1, 3, 5)), full.all(axis=(1, 3, 5)))
+        if transpose:
+            blocks = dict(num_row_blocks=s_pad // cols, row_block=cols,
+                          num_col_blocks=t_pad // rows, col_block=rows)
+            want = tuple(np.swapaxes(w, 1, 2) for w in want)
+        got = masking.pair_blocks(stored, transpose=transpose, **blocks)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"transpose={transpose}")
+
+
+def test_kernels_read_a_mask_unpacked_as_on_cdna(monkeypatch):
+    """Where the table keeps masks one int8 entry a pair (gfx942), the kernels read that form."""
+    monkeypatch.setattr(tuning, "packs_masks", lambda device_kind: False)
+    q, k, v = _inputs(16)
+    bias, mask = _bias(17, (B, N, T, S)), _mask(18, (B, N, T, S))
+    for x, ref in zip(_grads(_ours, q, k, v, bias, mask, {}),
+                      _grads(_jax_nn, q, k, v, bias, mask, {}), strict=True):
+        for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
 
 
 def test_traced_mask_and_bias_under_jit():

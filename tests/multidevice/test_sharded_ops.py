@@ -11,6 +11,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from attention_cases import make_inputs as attention_inputs
 from jax.sharding import AxisType, NamedSharding
@@ -85,6 +86,11 @@ ATTENTION = [
     ("gqa-causal", dict(is_causal=True), ()),
     ("window-softcap", dict(local_window_size=(5, 2), logits_soft_cap=3.0), ()),
     ("segments-lengths", {}, ("segments", "lengths")),
+    ("user-mask-bias", dict(  # a mask the kernels read 8 keys a byte, split as the rows
+        mask=jnp.asarray((np.random.default_rng(7).random((8, 8, 32, 32)) < 0.7) | np.eye(32,
+                                                                                    dtype=bool)),
+        bias=jnp.asarray(np.random.default_rng(8).standard_normal((1, 8, 32, 32)), jnp.float32)),
+     ()),
 ]
 
 
