@@ -81,9 +81,9 @@ def dot_product_attention(
         rows in the kernel when the bias's batch dim is 1 ((1, N, T, S) float32 in memory),
         else (B, N, T, S) float32 summed by XLA.
       mask: a boolean mask broadcastable to (B, N, T, S) (True: the query sees the key), or
-        None. Packed 8 keys a byte (where it has a key dim) and read tile by tile in the
-        kernels; blocks it masks whole at the start or end of a row of blocks are skipped, and
-        blocks it leaves whole run unmasked.
+        None. Read tile by tile in the kernels, packed 8 keys a byte where it has a key dim
+        (one int8 entry a pair on AMD); blocks it masks whole at the start or end of a row of
+        blocks are skipped, and blocks it leaves whole run unmasked.
       scale: logit scale, a finite number > 0 (a Python number or a concrete scalar array);
         default 1/sqrt(H).
       is_causal: query i sees keys j <= i, aligned top-left as in jax.nn (when T != S, query 0
@@ -349,7 +349,7 @@ def _pallas_gradients(query, key, value, q_seg, kv_seg, q_len, kv_len, shift, do
 
 def _tables(config, t_pad, s_pad, q_seg, kv_seg, q_len, kv_len, shift, mask, kernel):
     """`masking.block_table` of one kernel: "forward"/"dq" (query blocks), "dkv" (key blocks),
-    narrowed to the blocks a user's `mask` (padded, or None) leaves.
+    narrowed to the blocks a user's `mask` (from `masking.pack_mask`, or None) leaves.
 
     Without segments, lengths, shift or mask the table depends on shapes alone; it is then
     computed on the host with numpy and enters the program as a constant, costing no launch

@@ -7,7 +7,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.attention import masking
 
@@ -151,8 +150,7 @@ def add_pairs(inputs, mask, bias, *, cols, **spec):
     block is an eighth as wide in bytes)."""
     for name, pair in (("mask", mask), ("bias", bias)):
         if pair is not None:
-            packed = name == "mask" and masking.is_packed(pair)
-            block_cols = cols // masking.PACKED_KEYS if packed else cols
+            block_cols = cols // masking.PACKED_KEYS if masking.is_packed(pair) else cols
             inputs.add(name, pair_spec(pair, cols=block_cols, **spec), pair)
 
 
@@ -177,31 +175,25 @@ def pair_logits(refs, rows, cols, lead=None, transpose=False):
 
 def pair_visible(refs, rows, cols, lead=None, transpose=False):
     """The user's mask tile as booleans (True without a mask); `rows` and `cols` slices of
-    queries and keys (a block slice or the whole block). A packed mask (`masking.pack_mask`)
-    is gathered a byte a key, bit k of byte c for key 8c + k."""
+    queries and keys (a block slice or the whole block), read as their bytes from a packed mask
+    (`masking.pack_mask`) and expanded in registers, bit k of byte c for key 8c + k."""
     if refs.mask is None:
         return True
-    if not masking.is_packed(refs.mask):  # one entry for every key
-        tile = pair_tile(refs.mask, rows, cols, lead) != 0
+    if masking.is_packed(refs.mask):
+        if not isinstance(cols, slice):  # a block slice of keys -> of their bytes
+            width = cols.size // masking.PACKED_KEYS
+            cols = pl.ds(pl.multiple_of(cols.start // masking.PACKED_KEYS, width), width)
+        tile = unpack_bits(pair_tile(refs.mask, rows, cols, lead))
     else:
-        tile = _packed_tile(refs.mask, rows, cols, lead)
+        tile = pair_tile(refs.mask, rows, cols, lead) != 0
     return tile.T if transpose else tile
 
 
-def _packed_tile(ref, rows, cols, lead):
-    """`pair_visible`'s tile of a packed mask: (rows, keys) booleans, (1, keys) where the mask
-    broadcasts over the queries."""
-    index = (lead,) if len(ref.shape) == 3 else ()
-    if ref.shape[-2] == 1:
-        row_index = jnp.zeros((1, 1), jnp.int32)
-    elif isinstance(rows, slice):
-        row_index = jax.lax.broadcasted_iota(jnp.int32, (ref.shape[-2], 1), 0)
-    else:
-        row_index = rows.start + jax.lax.broadcasted_iota(jnp.int32, (rows.size, 1), 0)
-    per_byte = masking.PACKED_KEYS
-    if isinstance(cols, slice):
-        keys = jax.lax.broadcasted_iota(jnp.int32, (1, ref.shape[-1] * per_byte), 1)
-    else:
-        keys = cols.start + jax.lax.broadcasted_iota(jnp.int32, (1, cols.size), 1)
-    bytes_ = plt.load(ref.at[(*index, row_index, keys // per_byte)])
-    return (bytes_ & (1 << (keys % per_byte)).astype(jnp.uint8)) != 0
+def unpack_bits(tile):
+    """In a kernel: a packed mask's (R, C) bytes as (R, 8 C) booleans, key 8c + k from bit k of
+    byte c."""
+    rows, width = tile.shape
+    keys = width * masking.PACKED_KEYS
+    expanded = jnp.broadcast_to(tile[:, :, None], (rows, width, masking.PACKED_KEYS))
+    bit = jax.lax.broadcasted_iota(jnp.int32, (1, keys), 1) % masking.PACKED_KEYS
+    return (expanded.reshape(rows, keys) & (1 << bit).astype(tile.dtype)) != 0

@@ -66,9 +66,10 @@ def forward(q, k, v, q_seg, kv_seg, table, *, static, blocks, mask=None, bias=No
 
     q (B, Tp, N, Dp), k/v (B, Sp, K, Dp) with Tp % block_q == 0, Sp % block_k == 0 and Dp a power
     of two; q_seg (B, Tp) / kv_seg (B, Sp) int32 or None; table (B, Tp // block_q, 8) from
-    `masking.block_table`; `blocks` a `tuning.KernelBlocks`; mask (int8, nonzero: visible) and
-    bias (float, added to the logits after the soft cap) (B', N', T', S') with each dim 1 or
-    full (Tp, Sp), or None. Returns out (B, Tp, N, Dp) in q's dtype and lse (B, N, Tp) float32.
+    `masking.block_table`; `blocks` a `tuning.KernelBlocks`; mask (from `masking.pack_mask`:
+    uint8 8 keys a byte, (B', N', T', Sp / 8), or int8 (B', N', T', S'), nonzero: visible) and
+    bias (float, added to the logits after the soft cap, (B', N', T', S')), each dim 1 or full
+    (Tp, Sp), or None. Returns out (B, Tp, N, Dp) in q's dtype and lse (B, N, Tp) float32.
     """
     block_q, block_k = blocks.block_q, blocks.block_k
     batch, t_pad, heads, d_pad = q.shape

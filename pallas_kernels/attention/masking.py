@@ -166,7 +166,7 @@ def pack_mask(mask, t_pad, s_pad, *, packed=True):
     bits = _device.pad_end(mask, (None, None, pad_rows, s_pad)).astype(jnp.uint8)
     bits = bits.reshape(*bits.shape[:3], s_pad // PACKED_KEYS, PACKED_KEYS)
     bytes_ = bits[..., 0]
-    for k in range(1, PACKED_KEYS):  # an elementwise fusion, 8 adjacent bytes an output
+    for k in range(1, PACKED_KEYS):  # elementwise (jnp.packbits sums: a reduction over 8)
         bytes_ = bytes_ | (bits[..., k] << k)
     return bytes_
 
@@ -180,20 +180,19 @@ def unpack_mask(mask):
     """`pack_mask`'s output as booleans (B', N', T'', S'')."""
     if not is_packed(mask):
         return mask != 0
-    bits = (mask[..., None] >> jnp.arange(PACKED_KEYS, dtype=jnp.uint8)) & 1
-    return bits.reshape(*mask.shape[:3], mask.shape[3] * PACKED_KEYS) != 0
+    return jnp.unpackbits(mask, axis=-1, bitorder="little") != 0
 
 
 def pair_blocks(pair_mask, *, num_row_blocks, row_block, num_col_blocks, col_block,
                 transpose=False):
     """Which blocks of a user's mask hold a visible pair, and which hold only visible pairs.
 
-    `pair_mask` (B', N', T', S') from `pack_mask`, padded to whole blocks; a dim of size 1
-    broadcasts. Rows are query blocks, columns key blocks (`transpose`: rows are key blocks).
-    Heads are merged (a block is visible if any head sees a pair in it, full if every head sees
-    all). Returns (any, all), each (B', num_row_blocks, num_col_blocks) bool.
+    `pair_mask` from `pack_mask` (its last dim in bytes where packed), padded to whole blocks;
+    a dim of size 1 broadcasts. Rows are query blocks, columns key blocks (`transpose`: rows are
+    key blocks). Heads are merged (a block is visible if any head sees a pair in it, full if
+    every head sees all). Returns (any, all), each (B', num_row_blocks, num_col_blocks) bool.
     """
-    visible_any = pair_mask != 0
+    visible_any = pair_mask != 0  # an entry, or a byte with a visible key
     visible_all = pair_mask == 0xFF if is_packed(pair_mask) else visible_any
     if is_packed(pair_mask):  # a key block is block / 8 bytes
         if transpose:
@@ -205,14 +204,15 @@ def pair_blocks(pair_mask, *, num_row_blocks, row_block, num_col_blocks, col_blo
                  for reduce, entries in ((jnp.any, visible_any), (jnp.all, visible_all)))
 
 
-def _reduce_blocks(reduce, pair_mask, num_row_blocks, row_block, num_col_blocks, col_block,
+def _reduce_blocks(reduce, entries, num_row_blocks, row_block, num_col_blocks, col_block,
                    transpose):
-    """`reduce` (jnp.any or jnp.all) of (B', N', T', S') booleans over heads and each block:
-    (B', num_row_blocks, num_col_blocks)."""
+    """`reduce` (jnp.any or jnp.all) of booleans (B', N', T', S'), one a pair or a packed byte
+    (the block sizes then counted in its units), over heads and each block: (B',
+    num_row_blocks, num_col_blocks)."""
     if transpose:
-        pair_mask = jnp.swapaxes(pair_mask, 2, 3)
-    b, n, rows, cols = pair_mask.shape
-    blocks = pair_mask.reshape(
+        entries = jnp.swapaxes(entries, 2, 3)
+    b, n, rows, cols = entries.shape
+    blocks = entries.reshape(
         b, n, 1 if rows == 1 else num_row_blocks, 1 if rows == 1 else row_block,
         1 if cols == 1 else num_col_blocks, 1 if cols == 1 else col_block)
     return jnp.broadcast_to(reduce(blocks, axis=(1, 3, 5)), (b, num_row_blocks, num_col_blocks))

@@ -63,7 +63,8 @@ class AttentionBlocks:
 
 # The forward's 128 x 128 tile in 3 stages at head dim 128 takes 229,376 B of sm_90a's 232,448 B
 # of shared memory, leaving no room for a mask and a bias tile a stage; 128 x 64 in 3 stages
-# with both takes 180,224 B, and the dQ kernel's 212,992 B (`tests/test_machine_code.py`).
+# with both takes 165,888 B, and the dQ kernel's 198,656 B (180,224 and 212,992 with a mask of
+# int8 entries, as cdna's) (`tests/test_machine_code.py`).
 # Halving the keys a block costs the causal forward 5% on the H200 (benchmarks/results/
 # attention_tune_h200_d128.json); dropping to 2 stages, as before, cost it and the dQ kernel
 # 13% each.
@@ -115,8 +116,8 @@ _CAUSAL_GROUP_SPLITS = {"hopper": (4, 4)}
 
 
 # Families whose kernels read a user's mask one int8 entry a pair instead of packed 8 keys a
-# byte (`masking.pack_mask`): on gfx942 the byte gather takes the d128 dQ kernel from 254 to 258
-# VGPRs, past the 256 that leave it 2 waves a SIMD (`tests/test_machine_code.py`).
+# byte (`masking.pack_mask`): on gfx942 expanding the bits takes the d128 dQ kernel from 254 to
+# 273 VGPRs, past the 256 that leave it 2 waves a SIMD (`tests/test_machine_code.py`).
 _UNPACKED_MASKS = frozenset({"cdna"})
 
 

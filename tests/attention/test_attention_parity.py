@@ -197,7 +197,8 @@ def test_a_packed_mask_holds_the_mask_and_its_blocks(shape, packed):
     entry a pair), pads with False, and its blocks' any / all are those of the boolean mask, in
     both orientations."""
     t_pad, s_pad, rows, cols = 48, 64, 16, 32
-    mask = _mask(15, shape)
+    shape = (*shape[:3], 37 if shape[3] > 1 else 1)  # keys that end inside a byte
+    mask = _mask(15, shape, s=37)
     stored = masking.pack_mask(mask, t_pad, s_pad, packed=packed)
     assert masking.is_packed(stored) == (packed and shape[3] > 1)
     padded = np.zeros((*shape[:2], t_pad if shape[2] > 1 else 1, s_pad if shape[3] > 1 else 1),
@@ -219,15 +220,26 @@ def test_a_packed_mask_holds_the_mask_and_its_blocks(shape, packed):
             np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"transpose={transpose}")
 
 
-def test_kernels_read_a_mask_unpacked_as_on_cdna(monkeypatch):
-    """Where the table keeps masks one int8 entry a pair (gfx942), the kernels read that form."""
-    monkeypatch.setattr(tuning, "packs_masks", lambda device_kind: False)
-    q, k, v = _inputs(16)
-    bias, mask = _bias(17, (B, N, T, S)), _mask(18, (B, N, T, S))
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "int8 as on cdna"])
+def test_kernels_read_either_form_of_a_mask_with_ragged_keys(monkeypatch, packed):
+    """A (B, N, T, S) mask and bias at S = 37 (keys ending inside a byte), the kernels reading
+    the mask packed or one int8 entry a pair (`tuning.packs_masks`, False on gfx942)."""
+    forms = []
+    pack = masking.pack_mask
+
+    def spy(*args, **kw):
+        forms.append(kw["packed"])
+        return pack(*args, **kw)
+
+    monkeypatch.setattr(tuning, "packs_masks", lambda device_kind: packed)
+    monkeypatch.setattr(masking, "pack_mask", spy)
+    q, k, v = _inputs(16, s=37)
+    bias, mask = _bias(17, (B, N, T, 37)), _mask(18, (B, N, T, 37), s=37)
     for x, ref in zip(_grads(_ours, q, k, v, bias, mask, {}),
                       _grads(_jax_nn, q, k, v, bias, mask, {}), strict=True):
         for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(ref), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+    assert forms and set(forms) == {packed}
 
 
 def test_traced_mask_and_bias_under_jit():
