@@ -54,11 +54,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 print(jax.device_count(), "devices")
 
 
-def collectives(fn, *args):
-    """{collective: count} in the compiled program of fn(*args)."""
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    return dict(collections.Counter(re.findall(
-        r"= \S+ (all-gather|reduce-scatter|all-reduce|collective-permute|all-to-all)\(", text)))
+def run_counting_collectives(fn, *args):
+    """(fn(*args), {collective: count} in its compiled program), from one compile."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled(*args), dict(collections.Counter(re.findall(
+        r"= \S+ (all-gather|reduce-scatter|all-reduce|collective-permute|all-to-all)\(",
+        compiled.as_text())))
 
 
 def rel_error(x, y):
@@ -89,7 +90,7 @@ def train_step(q, k, v):
 
 with jax.set_mesh(mesh):
     placed = [jax.device_put(x, P("data", None, "tensor")) for x in (q, k, v)]
-    (loss, grads), counts = jax.jit(train_step)(*placed), collectives(train_step, *placed)
+    (loss, grads), counts = run_counting_collectives(train_step, *placed)
 want_loss, want_grads = jax.jit(train_step)(q, k, v)
 print("output sharded as", jax.typeof(attention(*placed)))
 print("collectives:", counts)
@@ -155,8 +156,7 @@ for strategy in ("all_gather", "ring"):
     with jax.set_mesh(mesh):
         placed = [jax.device_put(pallas_kernels.zigzag(x, n), P("data", "context"))
                   for x in (q, k, v, segments)]
-        got_loss, got_grads = jax.jit(step)(*placed)
-        counts = collectives(step, *placed)
+        (got_loss, got_grads), counts = run_counting_collectives(step, *placed)
     got_grads = [pallas_kernels.unzigzag(np.asarray(g), n) for g in got_grads]
     errors = [rel_error(g, w) for g, w in zip(got_grads, want_grads, strict=True)]
     print(f"{strategy:10s} loss {float(got_loss):.6f} (unsharded {float(want_loss):.6f}), "
@@ -194,8 +194,7 @@ ssd_step = jax.value_and_grad(ssd_loss, argnums=(0, 1, 2, 3, 4))
 want_loss, want_grads = jax.jit(ssd_step)(x, dt, A, B, C)
 with jax.set_mesh(mesh):
     placed = [jax.device_put(a, P("data", "context")) for a in (x, dt)]
-    got_loss, got_grads = jax.jit(ssd_step)(placed[0], placed[1], A, B, C)
-    counts = collectives(ssd_step, placed[0], placed[1], A, B, C)
+    (got_loss, got_grads), counts = run_counting_collectives(ssd_step, *placed, A, B, C)
 errors = [rel_error(g, w) for g, w in zip(got_grads, want_grads, strict=True)]
 print(f"SSD loss {float(got_loss):.6f} (unsharded {float(want_loss):.6f}), gradient errors "
       f"{np.max(errors):.1e}, collectives {counts}")
