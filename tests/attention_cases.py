@@ -49,7 +49,9 @@ def loss_and_grads(attention, q, k, v, dout, dlse, **kw):
         lse_term = jnp.where(jnp.isfinite(lse), lse * dlse, 0.0)
         return jnp.sum(out.astype(jnp.float32) * dout) + jnp.sum(lse_term), (out, lse)
 
-    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    # jit: one compile of the whole step instead of op-by-op dispatch (much faster on a CPU).
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        q, k, v)
     return (out, lse, *grads)
 
 

@@ -47,9 +47,9 @@ def loss_and_grads(fn, args, **kw):
         return jnp.sum(y.astype(jnp.float32) * w) + jnp.sum(final * v), (y, final)
 
     values = [args[n] for n in names]
-    (_, outs), grads = jax.value_and_grad(loss, argnums=tuple(range(len(names))), has_aux=True)(
-        *values
-    )
+    # jit: one compile of the whole step instead of op-by-op dispatch (much faster on a CPU).
+    (_, outs), grads = jax.jit(jax.value_and_grad(
+        loss, argnums=tuple(range(len(names))), has_aux=True))(*values)
     return outs, dict(zip(names, grads, strict=True))
 
 
