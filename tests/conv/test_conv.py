@@ -70,6 +70,16 @@ def test_forward_matches_float64(case, implementation):
     assert rel_error(out, _expected(**arrays, activation=case[7])) < _tolerance(case[8])
 
 
+def _jit_vjp(fn, primals, cotangent):
+    """(fn(*primals), its pullback of `cotangent`) from one jitted step (no op-by-op dispatch)."""
+
+    def both(primals, cotangent):
+        out, pullback = jax.vjp(fn, *primals)
+        return out, pullback(cotangent)
+
+    return jax.jit(both)(primals, cotangent)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_every_gradient_matches_float64(case):
     """dx, dweight, dbias and the initial states' gradient of the kernels against JAX's
@@ -84,11 +94,11 @@ def test_every_gradient_matches_float64(case):
                                             activation=case[7], implementation=implementation,
                                             interpret=True)
 
-    got = jax.vjp(functools.partial(run, "pallas"), *arrays.values())[1](dout)
+    _, got = _jit_vjp(functools.partial(run, "pallas"), tuple(arrays.values()), dout)
     with jax.enable_x64(True):
-        wide = [jnp.asarray(np.asarray(v, np.float64)) for v in arrays.values()]
-        expected = jax.vjp(functools.partial(run, "xla"), *wide)[1](
-            jnp.asarray(np.asarray(dout, np.float64)))
+        wide = tuple(jnp.asarray(np.asarray(v, np.float64)) for v in arrays.values())
+        _, expected = _jit_vjp(functools.partial(run, "xla"), wide,
+                               jnp.asarray(np.asarray(dout, np.float64)))
         expected = [np.asarray(g) for g in expected]
     for name, g, want in zip(names, got, expected, strict=True):
         assert g.dtype == arrays[name].dtype, name
@@ -139,7 +149,8 @@ def test_columns_of_a_wider_x_and_output_parts(case):
             implementation=implementation, interpret=True)
         return (out,) if split is None else out
 
-    got, vjp = jax.vjp(functools.partial(run, "pallas"), x, weight, bias, states)
+    got, grads = _jit_vjp(functools.partial(run, "pallas"), (x, weight, bias, states),
+                          tuple(douts))
     start = offset or 0
     whole = _expected(x[..., start:start + c], weight, bias, states, "silu")
     expected = (whole,) if split is None else (whole[..., :split], whole[..., split:])
@@ -148,14 +159,14 @@ def test_columns_of_a_wider_x_and_output_parts(case):
         assert out.dtype == dtype and out.shape == want.shape
         assert rel_error(out, want) < _tolerance(dtype)
     with jax.enable_x64(True):
-        wide = [jnp.asarray(np.asarray(v, np.float64)) for v in (x, weight, bias, states)]
-        want_grads = jax.vjp(functools.partial(run, "xla"), *wide)[1](
-            tuple(jnp.asarray(np.asarray(d, np.float64)) for d in douts))
-    for name_, g, want in zip(("x", "weight", "bias", "initial_states"), vjp(tuple(douts)),
-                              want_grads, strict=True):
+        wide = tuple(jnp.asarray(np.asarray(v, np.float64)) for v in (x, weight, bias, states))
+        _, want_grads = _jit_vjp(functools.partial(run, "xla"), wide,
+                                 tuple(jnp.asarray(np.asarray(d, np.float64)) for d in douts))
+    for name_, g, want in zip(("x", "weight", "bias", "initial_states"), grads, want_grads,
+                              strict=True):
         assert g.shape == want.shape, name_
         assert rel_error(g, np.asarray(want)) < _tolerance(dtype), name_
-    dx = np.asarray(vjp(tuple(douts))[0], np.float32)
+    dx = np.asarray(grads[0], np.float32)
     assert not np.any(dx[..., :start]) and not np.any(dx[..., start + c:])
 
 
